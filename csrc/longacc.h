@@ -263,6 +263,25 @@ LDET_HD float finalize_fp32(const int64_t* acc) { return round_acc(acc, 24, -149
 LDET_HD float finalize_bf16_as_fp32(const int64_t* acc) { return round_acc(acc, 8, -133, 128); }
 LDET_HD float finalize_fp16_as_fp32(const int64_t* acc) { return round_acc(acc, 11, -24, 16); }
 
+// Bit patterns of a value already rounded into bf16 / fp16 (so exactly representable there).
+// Written out rather than left to a library cast, so NaN is the canonical quiet NaN everywhere.
+LDET_HD uint16_t bf16_bits_exact(float v) {
+  if (v != v) return 0x7fc0u;
+  return uint16_t(bits_of(v) >> 16);  // low 16 bits are zero for a bf16 value
+}
+LDET_HD uint16_t fp16_bits_exact(float v) {
+  if (v != v) return 0x7e00u;
+  const uint32_t u = bits_of(v);
+  const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a == 0x7f800000u) return uint16_t(sign | 0x7c00u);
+  if (a == 0) return sign;
+  const int e = int(a >> 23) - 127;  // v is fp16-representable: e in [-24, 15], normal in fp32
+  const uint32_t m = (a & 0x7fffffu) | 0x800000u;
+  if (e >= -14) return uint16_t(sign | (uint32_t(e + 15) << 10) | ((m >> 13) & 0x3ffu));
+  return uint16_t(sign | (m >> (13 + (-14 - e))));  // fp16 subnormal: value / 2^-24
+}
+
 // Exponent statistics of one fp64-converted input value, for the fast-path exactness check:
 // hi = floor(log2|v|), lo = exponent of its lowest set bit. Specials and zeros are flagged.
 struct ExpStat {

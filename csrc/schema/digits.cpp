@@ -1,0 +1,23 @@
+// Schemas of the elementwise long-accumulator ops. Implementations: csrc/cpu/digits_cpu.cpp,
+// csrc/cuda/digits_cuda.cu. The digit format is documented in csrc/longacc.h.
+#include <torch/library.h>
+
+#include <string>
+#include <vector>
+
+#include "longacc.h"
+
+TORCH_LIBRARY_FRAGMENT(ldet, m) {
+  // (..., 19) int64 -> canonical (..., 19) int64 (carry propagation, status clamped).
+  m.def("normalize(Tensor acc) -> Tensor");
+  // (..., 19) int64 -> (...) of `dtype` (float32, bfloat16, float16), rounded once.
+  m.def("finalize(Tensor acc, ScalarType dtype) -> Tensor");
+  // (...) float32/bfloat16/float16 -> canonical (..., 19) int64 holding each value exactly.
+  m.def("to_digits(Tensor x) -> Tensor");
+  // Layout constants of the compiled core, checked against lightning_det/profile.py at load.
+  m.def("layout() -> int[]", []() {
+    return std::vector<int64_t>{ldet::LDET_NDIGITS, ldet::LDET_WORDS, ldet::LDET_LSB_EXP,
+                                ldet::LDET_STATUS_BITS, ldet::LDET_KBLOCK};
+  });
+  m.def("profile() -> str", []() { return std::string(ldet::kProfile); });
+}

@@ -1,0 +1,22 @@
+"""Exact long-accumulator ops (no Lightning import). See :mod:`lightning_det.ops.longacc`."""
+from .distributed import det_all_reduce
+from .longacc import (
+    LongAcc,
+    det_combine,
+    det_finalize,
+    det_gemm,
+    det_gemm_partial,
+    det_normalize,
+    to_digits,
+)
+
+__all__ = [
+    "LongAcc",
+    "det_gemm",
+    "det_gemm_partial",
+    "det_combine",
+    "det_finalize",
+    "det_normalize",
+    "det_all_reduce",
+    "to_digits",
+]

@@ -1,0 +1,255 @@
+"""Exact long-accumulator ops: thin, checked wrappers over ``torch.ops.ldet``.
+
+``LongAcc`` is a plain ``torch.int64`` tensor with a trailing dimension of 19 words: 18 signed
+radix-2^32 digits (value = sum_i d_i * 2^(32 i - 298)) and one status word counting NaN, +inf and
+-inf contributions. Ops return it in canonical (normalized) form, so equal values have equal
+bytes. Adding LongAccs word by word (``det_combine``, an int64 SUM all-reduce) is exact. The
+format is profile ``ldet-v1``; ``csrc/longacc.h`` documents it, with the headroom bounds and the
+IEEE rules.
+
+All ops dispatch on the device of their inputs (CPU always; CUDA where the CUDA kernels were
+built) and give the same bytes on both.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from .. import _build
+from ..profile import LSB_EXP, NDIGITS, PROFILE, STATUS_BITS, WORDS
+
+__all__ = [
+    "LongAcc",
+    "det_gemm",
+    "det_gemm_partial",
+    "det_combine",
+    "det_finalize",
+    "det_normalize",
+    "to_digits",
+]
+
+LongAcc = torch.Tensor  # int64, shape (..., 19); see the module docstring
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_MAX_COMBINE = 1 << 30  # canonical inputs: a digit absorbs 2^31 - 2 of them (longacc.h)
+
+
+def _ops():
+    _build.load()
+    return torch.ops.ldet
+
+
+def _check_device(t: torch.Tensor, name: str) -> None:
+    if t.device.type == "cuda" and not _build.cuda_built():
+        raise RuntimeError(
+            f"{name}: is on {t.device}, but lightning_det was built without its CUDA kernels "
+            "(torch has no CUDA, nvcc was not found, or LIGHTNING_DET_NO_CUDA=1)."
+        )
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: expected a CPU or CUDA tensor, got device {t.device}")
+
+
+def _check_float(t, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOATS:
+        raise TypeError(f"{name}: expected dtype float32, bfloat16 or float16, got {t.dtype}")
+    if t.is_sparse or t.layout != torch.strided:
+        raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
+    _check_device(t, name)
+
+
+def check_acc(acc, name: str = "acc") -> None:
+    """Raises unless ``acc`` is a LongAcc: int64 with a trailing dimension of 19."""
+    if not isinstance(acc, torch.Tensor):
+        raise TypeError(f"{name}: expected a LongAcc (int64 tensor), got {type(acc).__name__}")
+    if acc.dtype != torch.int64:
+        raise TypeError(f"{name}: expected a LongAcc of dtype torch.int64, got {acc.dtype}")
+    if acc.dim() < 1 or acc.shape[-1] != WORDS:
+        raise ValueError(
+            f"{name}: expected a LongAcc with a trailing dimension of {WORDS} words, got shape "
+            f"{tuple(acc.shape)}"
+        )
+    _check_device(acc, name)
+
+
+def _gemm_args(x, w, bias):
+    _check_float(x, "x")
+    _check_float(w, "w")
+    if w.dim() != 2:
+        raise ValueError(f"w: expected a 2-D (N, K) tensor in nn.Linear layout, got shape {tuple(w.shape)}")
+    if x.dim() < 1:
+        raise ValueError(f"x: expected shape (..., K) with at least one dimension, got shape {tuple(x.shape)}")
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(
+            f"w: expected K = {x.shape[-1]} columns to match x's last dimension, got w of shape "
+            f"{tuple(w.shape)} (x is {tuple(x.shape)})"
+        )
+    if w.device != x.device:
+        raise ValueError(f"w: expected device {x.device} to match x, got {w.device}")
+    if bias is not None:
+        _check_float(bias, "bias")
+        if bias.shape != (w.shape[0],):
+            raise ValueError(f"bias: expected shape ({w.shape[0]},), got {tuple(bias.shape)}")
+        if bias.device != x.device:
+            raise ValueError(f"bias: expected device {x.device} to match x, got {bias.device}")
+    lead = tuple(x.shape[:-1])
+    return x.reshape(-1, x.shape[-1]), lead
+
+
+def det_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``x @ w.T (+ bias)``: the exact sum of exact products, rounded once to nearest-even.
+
+    Args:
+        x: (..., K) float32 / bfloat16 / float16.
+        w: (N, K) in ``nn.Linear`` layout, float32 / bfloat16 / float16.
+        bias: optional (N,), added inside the accumulator before the one rounding.
+        out_dtype: float32 (default), bfloat16 or float16; rounded straight to it.
+
+    Returns:
+        (..., N) tensor of ``out_dtype``. Row i does not depend on the other rows, K-splits,
+        tiling, thread count or device.
+    """
+    x2, lead = _gemm_args(x, w, bias)
+    if out_dtype not in _FLOATS:
+        raise TypeError(f"out_dtype: expected torch.float32, torch.bfloat16 or torch.float16, got {out_dtype}")
+    y = _ops().gemm(x2, w, bias, out_dtype)
+    return y.reshape(*lead, w.shape[0])
+
+
+def det_gemm_partial(
+    x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *, _norm_interval: int = 0
+) -> LongAcc:
+    """The unrounded ``x @ w.T (+ bias)`` as canonical digits.
+
+    Args:
+        x: (..., K), w: (N, K), bias: optional (N,); float32 / bfloat16 / float16.
+
+    Returns:
+        LongAcc of shape (..., N, 19), int64. Combine partials over any K-split with
+        :func:`det_combine`, round with :func:`det_finalize`.
+    """
+    x2, lead = _gemm_args(x, w, bias)
+    if _norm_interval < 0:
+        raise ValueError(f"_norm_interval: expected >= 0, got {_norm_interval}")
+    acc = _ops().gemm_partial(x2, w, bias, _norm_interval)
+    return acc.reshape(*lead, w.shape[0], WORDS)
+
+
+def det_normalize(acc: LongAcc) -> LongAcc:
+    """Canonical form of a LongAcc (carry propagation). Input digits must be within headroom."""
+    check_acc(acc)
+    return _ops().normalize(acc)
+
+
+def det_combine(accs: Sequence[LongAcc] | Iterable[LongAcc]) -> LongAcc:
+    """Exact sum of LongAccs of one shape (e.g. partials over K-shards), canonical.
+
+    Args:
+        accs: a non-empty sequence of int64 (..., 19) tensors of the same shape and device.
+
+    The result is the same for any order and grouping of ``accs``.
+    """
+    accs = list(accs)
+    if not accs:
+        raise ValueError("accs: expected at least one LongAcc, got an empty sequence")
+    for i, a in enumerate(accs):
+        check_acc(a, f"accs[{i}]")
+        if a.shape != accs[0].shape:
+            raise ValueError(f"accs[{i}]: expected shape {tuple(accs[0].shape)} like accs[0], got {tuple(a.shape)}")
+        if a.device != accs[0].device:
+            raise ValueError(f"accs[{i}]: expected device {accs[0].device} like accs[0], got {a.device}")
+    total = accs[0].clone()
+    # Normalize inside the headroom bound (longacc.h): canonical inputs are < 2^32 per digit, so
+    # 2^30 of them at a time can never overflow int64. The status words are counters too.
+    for start in range(1, len(accs), _MAX_COMBINE):
+        for a in accs[start : start + _MAX_COMBINE]:
+            total += a
+        total = _ops().normalize(total)
+    return _ops().normalize(total) if len(accs) == 1 else total
+
+
+def det_finalize(acc: LongAcc, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rounds a LongAcc once, to nearest-even, to ``dtype``.
+
+    Args:
+        acc: int64 (..., 19).
+        dtype: torch.float32 (default), torch.bfloat16 or torch.float16.
+
+    Returns:
+        (...) tensor of ``dtype``. NaN if any NaN, inf x 0 or +inf with -inf went in; +-inf for
+        same-signed infinities or a finite sum beyond the format's range; exact zero is +0.0.
+    """
+    check_acc(acc)
+    if dtype not in _FLOATS:
+        raise TypeError(f"dtype: expected torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+    return _ops().finalize(acc, dtype)
+
+
+def to_digits(x: torch.Tensor) -> LongAcc:
+    """Exact LongAcc of every element of ``x`` (float32 / bfloat16 / float16): shape (..., 19)."""
+    _check_float(x, "x")
+    return _ops().to_digits(x)
+
+
+def _register_fakes() -> None:
+    lib = "ldet::"
+
+    @torch.library.register_fake(lib + "gemm_partial")
+    def _(x, w, bias=None, norm_interval=0):
+        return x.new_empty((x.shape[0], w.shape[0], WORDS), dtype=torch.int64)
+
+    @torch.library.register_fake(lib + "gemm")
+    def _(x, w, bias=None, out_dtype=None):
+        return x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype or torch.float32)
+
+    @torch.library.register_fake(lib + "normalize")
+    def _(acc):
+        return torch.empty_like(acc)
+
+    @torch.library.register_fake(lib + "finalize")
+    def _(acc, dtype):
+        return acc.new_empty(acc.shape[:-1], dtype=dtype)
+
+    @torch.library.register_fake(lib + "to_digits")
+    def _(x):
+        return x.new_empty((*x.shape, WORDS), dtype=torch.int64)
+
+    def _gemm_setup(ctx, inputs, output):
+        x, w, bias, out_dtype = inputs
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+
+    def _gemm_backward(ctx, grad):
+        # Each gradient is its own exact sum rounded once, straight to the input's dtype.
+        x, w = ctx.saved_tensors
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = torch.ops.ldet.gemm(grad, w.t(), None, x.dtype)
+        if ctx.needs_input_grad[1]:
+            gw = torch.ops.ldet.gemm(grad.t(), x.t(), None, w.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            ones = grad.new_ones((1, grad.shape[0]))
+            gb = torch.ops.ldet.gemm(grad.t(), ones, None, ctx.bias_dtype).reshape(-1)
+        return gx, gw, gb, None
+
+    torch.library.register_autograd(lib + "gemm", _gemm_backward, setup_context=_gemm_setup)
+
+    layout = list(torch.ops.ldet.layout())
+    expected = [NDIGITS, WORDS, LSB_EXP, STATUS_BITS]
+    if layout[:4] != expected or torch.ops.ldet.profile() != PROFILE:
+        raise _build.ExtensionError(
+            f"compiled core layout {layout} / profile {torch.ops.ldet.profile()!r} does not match "
+            f"the Python side {expected} / {PROFILE!r}: the build cache is stale; delete it"
+        )
+
+
+_build.on_load(_register_fakes)

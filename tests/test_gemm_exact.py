@@ -1,0 +1,134 @@
+"""det_gemm / det_gemm_partial against the independent Python-integer reference."""
+import math
+
+import pytest
+import torch
+from conftest import assert_bitwise
+
+import gen
+from lightning_det.ops import det_finalize, det_gemm, det_gemm_partial
+from lightning_det.reference import longacc_ref as R
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def check_against_reference(x, w, bias=None, what=""):
+    got_acc = det_gemm_partial(x, w, bias)
+    ref_acc = R.gemm_digits(x, w, bias)
+    assert torch.equal(got_acc, ref_acc), f"{what}: digits differ from the Python-integer reference"
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        assert_bitwise(det_finalize(got_acc, dt), R.gemm_rounded(x, w, bias, dt), f"{what} finalize {dt}")
+    assert_bitwise(det_gemm(x, w, bias), R.gemm_rounded(x, w, bias), f"{what} det_gemm")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_random_normal_odd_shape(dtype):
+    x, w = gen.normal((5, 123), dtype, 1), gen.normal((7, 123), dtype, 2)
+    check_against_reference(x, w, gen.normal((7,), dtype, 3), f"normal {dtype}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wide_exponent_range(dtype):
+    lo, hi = (-60, 60) if dtype == torch.float32 else (-60, 60)
+    x, w = gen.wide_exponents((4, 97), lo, hi, dtype, 4), gen.wide_exponents((5, 97), lo, hi, dtype, 5)
+    check_against_reference(x, w, what=f"wide {dtype}")
+
+
+def test_full_fp32_range_extremes():
+    x = gen.wide_exponents((3, 64), -149, 127, torch.float32, 6)
+    w = gen.wide_exponents((4, 64), -149, 127, torch.float32, 7)
+    x[0, :4] = torch.tensor([torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max, 1e-45, -1e-45])
+    check_against_reference(x, w, what="full range")
+
+
+def test_subnormals():
+    x, w = gen.subnormals((4, 80), torch.float32, 8), gen.normal((3, 80), torch.float32, 9)
+    check_against_reference(x, w, what="subnormal x normal")
+    x2 = gen.wide_exponents((3, 40), -25, -1, torch.float32, 10)
+    check_against_reference(gen.subnormals((2, 40), seed=11), x2, what="subnormal x small")
+
+
+def test_subnormal_results_round_exactly():
+    # Results landing in fp32's subnormal range, including a tie at the smallest subnormal.
+    t = 2.0 ** -149
+    x = torch.tensor([[t, t], [3 * t, 0.0], [t, -t]], dtype=torch.float32)
+    w = torch.tensor([[0.5, 0.25], [0.5, 0.0]], dtype=torch.float32)
+    check_against_reference(x, w, what="subnormal results")
+
+
+def test_massive_cancellation():
+    for seed in range(4):
+        x, w = gen.cancellation(seed=seed)
+        check_against_reference(x, w, what=f"cancellation {seed}")
+        # the control: an fp64 accumulation gets these wrong
+        fp64 = (x.double() @ w.double().T).float()
+        assert not torch.equal(fp64, det_gemm(x, w)), "control: fp64 accumulation should fail here"
+
+
+def test_ties_and_just_above_ties():
+    one = 1.0
+    cases = [
+        ([one, 2.0 ** -24], "tie rounds to even (down)"),
+        ([one + 2.0 ** -23, 2.0 ** -24], "tie rounds to even (up)"),
+        ([one, 2.0 ** -24, 2.0 ** -80], "just above a tie"),
+        ([one, 2.0 ** -24, -(2.0 ** -80)], "just below a tie"),
+        ([-one, -(2.0 ** -24), -(2.0 ** -90)], "negative just above a tie"),
+    ]
+    for terms, what in cases:
+        x = torch.tensor([terms], dtype=torch.float32)
+        w = torch.ones(1, len(terms), dtype=torch.float32)
+        check_against_reference(x, w, what=what)
+    # fp64 accumulation then a cast to fp32 double-rounds the "just above" case
+    x = torch.tensor([[1.0, 2.0 ** -24, 2.0 ** -80]])
+    w = torch.ones(1, 3)
+    wrong = (x.double() @ w.double().T).float()
+    right = det_gemm(x, w)
+    assert right.item() == 1.0 + 2.0 ** -23 and wrong.item() == 1.0
+
+
+def test_overflow_to_inf_and_back():
+    big = torch.finfo(torch.float32).max
+    x = torch.tensor([[big, big], [big, -big], [big, big]], dtype=torch.float32)
+    w = torch.tensor([[1.0, 1.0], [1.0, 0.5]], dtype=torch.float32)
+    check_against_reference(x, w, what="overflow")
+    # an intermediate far beyond fp32 range that cancels back into range is exact
+    x2 = torch.tensor([[big, 3.0, -big]])
+    w2 = torch.tensor([[big, 1.0, big]])
+    assert det_gemm(x2, w2).item() == 3.0
+
+
+def test_nan_and_inf_inputs():
+    inf, nan = math.inf, math.nan
+    x = torch.tensor(
+        [[inf, 1.0, 2.0], [inf, 1.0, 0.0], [nan, 1.0, 1.0], [inf, -inf, 1.0], [1.0, 2.0, 3.0], [-inf, 1.0, 1.0]],
+        dtype=torch.float32,
+    )
+    w = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 1.0], [2.0, 1.0, inf]], dtype=torch.float32)
+    check_against_reference(x, w, what="specials")
+    y = det_gemm(x, w)
+    assert math.isnan(y[1, 1].item()), "inf x 0 gives NaN"
+    assert y[0, 0].item() == math.inf and y[5, 0].item() == -math.inf
+    assert math.isnan(y[3, 0].item()), "+inf + -inf gives NaN"
+
+
+def test_bias_is_added_before_the_single_rounding():
+    x = torch.tensor([[1.0, 2.0 ** -24]])
+    w = torch.ones(1, 2)
+    b = torch.tensor([2.0 ** -70])
+    # exact: 1 + 2^-24 + 2^-70 -> rounds up; rounding before adding the bias would give 1.0
+    assert det_gemm(x, w, b).item() == 1.0 + 2.0 ** -23
+    check_against_reference(gen.normal((3, 33), seed=1), gen.normal((4, 33), seed=2), gen.wide_exponents((4,), -30, 30, seed=3), "bias")
+
+
+def test_large_k_beyond_2_19():
+    K = (1 << 20) + 7
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, K, generator=g)
+    w = (torch.randn(1, K, generator=g) * 1e-3).to(torch.bfloat16)
+    got = det_gemm(x, w)
+    # reference without Python loops over K-by-output: exact integer dot via scaled ints
+    for i in range(2):
+        s = R.ExactSum()
+        for a, b in zip(x[i].double().tolist(), w[0].double().tolist()):
+            s.add_product(a, b)
+        assert got[i, 0].item() == R.round_sum(s), f"row {i}"
