@@ -99,8 +99,8 @@ def load() -> None:
 
         # -ffp-contract=off / -fmad=false: no compiler-chosen FMA contraction, so every
         # rounding step is the one written in the source, identical on CPU and GPU.
-        cflags = ["-O3", "-std=c++17", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math"]
-        cuda_flags = ["-O3", "-std=c++17", "-fmad=false", "--expt-relaxed-constexpr", "-lineinfo"]
+        cflags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math"]
+        cuda_flags = ["-O3", "-fmad=false", "--expt-relaxed-constexpr", "-lineinfo"]
         if with_cuda:
             cflags.append("-DLDET_WITH_CUDA")
             cuda_flags += ["-DLDET_WITH_CUDA"] + _cuda_arch_flags()

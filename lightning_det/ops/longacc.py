@@ -95,7 +95,10 @@ def _gemm_args(x, w, bias):
         if bias.device != x.device:
             raise ValueError(f"bias: expected device {x.device} to match x, got {bias.device}")
     lead = tuple(x.shape[:-1])
-    return x.reshape(-1, x.shape[-1]), lead
+    rows = 1
+    for d in lead:
+        rows *= d
+    return x.reshape(rows, x.shape[-1]), lead
 
 
 def det_gemm(
