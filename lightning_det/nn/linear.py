@@ -1,0 +1,89 @@
+"""DetLinear: nn.Linear whose forward and backward are exact long-accumulator GEMMs."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops import det_gemm, det_gemm_partial
+from .grad_digits import add_grad_digits, digit_mode
+
+__all__ = ["DetLinear"]
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _out_dtype(t: torch.Tensor) -> torch.dtype:
+    return t.dtype if t.dtype in _FLOATS else torch.float32
+
+
+class _DetLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, module):
+        x2 = x.reshape(-1, x.shape[-1])
+        # the bias enters the accumulator: one rounding for x @ W.T + b
+        y = det_gemm(x2, weight, bias, out_dtype=_out_dtype(x))
+        ctx.save_for_backward(x2, weight)
+        ctx.module = module
+        ctx.has_bias = bias is not None
+        ctx.x_shape = x.shape
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, gy):
+        x2, weight = ctx.saved_tensors
+        g2 = gy.reshape(-1, weight.shape[0])
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            # dX[m, k] = sum_n dY[m, n] W[n, k]: exact, rounded once to x's dtype
+            gx = det_gemm(g2, weight.t(), out_dtype=_out_dtype(x2)).reshape(ctx.x_shape)
+        want_w = ctx.needs_input_grad[1]
+        want_b = ctx.has_bias and ctx.needs_input_grad[2]
+        g2t = g2.t()
+        ones = g2.new_ones((1, g2.shape[0])) if want_b else None
+        if digit_mode(ctx.module):
+            # unrounded sums over every batch row, left for the owner of the step to round once
+            if want_w:
+                add_grad_digits(ctx.module.weight, det_gemm_partial(g2t, x2.t()))
+            if want_b:
+                add_grad_digits(ctx.module.bias, det_gemm_partial(g2t, ones).squeeze(-2))
+            return gx, None, None, None
+        if want_w:
+            gw = det_gemm(g2t, x2.t(), out_dtype=weight.dtype)
+        if want_b:
+            gb = det_gemm(g2t, ones, out_dtype=ctx.module.bias.dtype).reshape(-1)
+        return gx, gw, gb, None
+
+
+class DetLinear(nn.Linear):
+    """``nn.Linear`` with exact, batch- and split-invariant arithmetic.
+
+    Args:
+        in_features, out_features, bias, device, dtype: as ``nn.Linear`` (same parameters,
+            same ``state_dict`` keys, so checkpoints move freely between the two).
+
+    Shapes: input (..., in_features) of float32/bfloat16/float16; output (..., out_features)
+    of the input's dtype. Forward is ``x @ W.T + b`` with the bias added inside the long
+    accumulator and a single rounding. Backward: dX exact and rounded once; dW and db exact sums
+    over every leading (batch) dimension, rounded once, or, in digit mode (see
+    :mod:`lightning_det.nn.grad_digits`), left unrounded for the strategy to reduce and round.
+    """
+
+    supports_grad_digits = True
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "DetLinear":
+        """Turns an ``nn.Linear`` into a DetLinear in place, keeping its Parameter objects."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
+        linear.__class__ = cls
+        return linear
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if input.shape[-1] != self.in_features:
+            raise ValueError(
+                f"input: expected last dimension in_features={self.in_features}, got shape {tuple(input.shape)}"
+            )
+        return _DetLinearFn.apply(input, self.weight, self.bias, self)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, exact=True"

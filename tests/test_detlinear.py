@@ -1,0 +1,108 @@
+"""DetLinear: forward/backward against exact references, split invariance of dW, state_dict."""
+import pytest
+import torch
+from conftest import assert_bitwise
+from torch import nn
+
+import gen
+from lightning_det.nn import DetLinear, finalize_grad_digits, grad_digits, set_grad_digits
+from lightning_det.reference import longacc_ref as R
+
+
+def make(in_f=123, out_f=17, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    lin = DetLinear(in_f, out_f, dtype=dtype)
+    with torch.no_grad():
+        lin.bias.copy_(gen.normal((out_f,), dtype, seed + 1))
+    return lin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_and_grads_are_correctly_rounded(dtype):
+    lin = make(dtype=dtype)
+    x = gen.normal((2, 3, 123), dtype, 5).requires_grad_()
+    gy = gen.normal((2, 3, 17), dtype, 6)
+    y = lin(x)
+    y.backward(gy)
+    x2, g2 = x.detach().reshape(-1, 123), gy.reshape(-1, 17)
+    W, b = lin.weight.detach(), lin.bias.detach()
+    # exact references (Python integers), each rounded once to the tensor's dtype
+    assert_bitwise(y.detach().reshape(-1, 17), R.gemm_rounded(x2, W, b, dtype), "forward")
+    assert_bitwise(x.grad.reshape(-1, 123), R.gemm_rounded(g2, W.t(), None, dtype), "dX")
+    assert_bitwise(lin.weight.grad, R.gemm_rounded(g2.t(), x2.t(), None, dtype), "dW")
+    assert_bitwise(lin.bias.grad, R.gemm_rounded(g2.t(), torch.ones(1, 6, dtype=dtype), None, dtype).reshape(-1), "db")
+    # and within the rounding bound of an fp64 reference (half an ulp of the output format)
+    eps = torch.finfo(dtype).eps
+    ref = x2.double() @ W.double().T + b.double()
+    err = (y.detach().reshape(-1, 17).double() - ref).abs()
+    assert bool((err <= ref.abs() * eps / 2 + torch.finfo(dtype).tiny).all())
+
+
+def test_dw_invariant_to_batch_splits_in_digit_mode():
+    lin = make(in_f=64, out_f=8)
+    ref_lin = nn.Linear(64, 8)
+    ref_lin.load_state_dict(lin.state_dict())
+    x = gen.normal((48, 64), seed=7)
+    gy = gen.normal((48, 8), seed=8)
+
+    def digits_grad(splits):
+        lin.zero_grad(set_to_none=True)
+        set_grad_digits(lin, True)
+        for part_x, part_g in zip(torch.tensor_split(x, splits), torch.tensor_split(gy, splits)):
+            lin(part_x).backward(part_g)
+        assert lin.weight.grad is None and grad_digits(lin.weight) is not None
+        finalize_grad_digits(lin.parameters())
+        set_grad_digits(lin, False)
+        return lin.weight.grad.clone(), lin.bias.grad.clone()
+
+    whole_w, whole_b = digits_grad([])
+    lin.zero_grad(set_to_none=True)
+    lin(x).backward(gy)
+    assert_bitwise(whole_w, lin.weight.grad, "digit mode on one batch == ordinary mode")
+    for splits in ([24], [5, 30], [1, 2, 3, 40], list(range(4, 48, 4))):
+        w, b = digits_grad(splits)
+        assert_bitwise(w, whole_w, f"dW splits {splits}")
+        assert_bitwise(b, whole_b, f"db splits {splits}")
+    # control: nn.Linear with .grad accumulation over the same micro-batches changes bits
+    def plain(splits):
+        ref_lin.zero_grad(set_to_none=True)
+        for part_x, part_g in zip(torch.tensor_split(x, splits), torch.tensor_split(gy, splits)):
+            ref_lin(part_x).backward(part_g)
+        return ref_lin.weight.grad.clone()
+    assert not torch.equal(plain([]), plain(list(range(4, 48, 4))))
+
+
+def test_row_invariance_of_forward():
+    lin = make(in_f=33, out_f=5)
+    x = gen.normal((40, 33), seed=9)
+    full = lin(x)
+    for m in (1, 2, 7, 39):
+        assert_bitwise(lin(x[:m]), full[:m], f"m={m}")
+
+
+def test_loads_linear_state_dict_and_back():
+    torch.manual_seed(0)
+    plain = nn.Linear(10, 4)
+    det = DetLinear(10, 4)
+    det.load_state_dict(plain.state_dict())
+    assert set(det.state_dict()) == {"weight", "bias"}
+    plain2 = nn.Linear(10, 4)
+    plain2.load_state_dict(det.state_dict())
+    assert torch.equal(plain2.weight, plain.weight)
+    nobias = DetLinear(10, 4, bias=False)
+    nobias.load_state_dict(nn.Linear(10, 4, bias=False).state_dict())
+    x = torch.randn(3, 10)
+    assert nobias(x).shape == (3, 4)
+    assert "in_features=10, out_features=4, bias=False" in repr(nobias)
+
+
+def test_from_linear_keeps_parameter_objects():
+    plain = nn.Linear(6, 3)
+    w, b = plain.weight, plain.bias
+    det = DetLinear.from_linear(plain)
+    assert det is plain and det.weight is w and det.bias is b and isinstance(det, DetLinear)
+
+
+def test_bad_input_shape():
+    with pytest.raises(ValueError, match=r"^input: expected last dimension in_features=6"):
+        DetLinear(6, 2)(torch.randn(3, 5))
