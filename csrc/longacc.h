@@ -282,6 +282,26 @@ LDET_HD uint16_t fp16_bits_exact(float v) {
   return uint16_t(sign | (m >> (13 + (-14 - e))));  // fp16 subnormal: value / 2^-24
 }
 
+// Output formats of the one rounding, shared by every kernel that finalizes.
+enum OutFormat { kFmtF32 = 0, kFmtBF16 = 1, kFmtF16 = 2 };
+
+LDET_HD float finalize_fmt(const int64_t* acc, int fmt) {
+  if (fmt == kFmtBF16) return finalize_bf16_as_fp32(acc);
+  if (fmt == kFmtF16) return finalize_fp16_as_fp32(acc);
+  return finalize_fp32(acc);
+}
+
+// Stores a value rounded by finalize_fmt into element i of a buffer of that format.
+LDET_HD void store_fmt(void* out, int64_t i, float v, int fmt) {
+  if (fmt == kFmtBF16) {
+    static_cast<uint16_t*>(out)[i] = bf16_bits_exact(v);
+  } else if (fmt == kFmtF16) {
+    static_cast<uint16_t*>(out)[i] = fp16_bits_exact(v);
+  } else {
+    static_cast<float*>(out)[i] = v;
+  }
+}
+
 // Exponent statistics of one fp64-converted input value, for the fast-path exactness check:
 // hi = floor(log2|v|), lo = exponent of its lowest set bit. Specials and zeros are flagged.
 struct ExpStat {

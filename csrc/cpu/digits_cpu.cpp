@@ -1,7 +1,9 @@
 // CPU implementations of normalize / finalize / to_digits (schemas: csrc/schema/digits.cpp).
 #include <torch/library.h>
 
-#include "cpu/common_cpu.h"
+#include <ATen/Parallel.h>
+
+#include "op_checks.h"
 
 namespace ldet {
 namespace {
@@ -19,8 +21,7 @@ at::Tensor normalize_cpu(const at::Tensor& acc) {
 
 at::Tensor finalize_cpu(const at::Tensor& acc, at::ScalarType dtype) {
   check_acc(acc, "acc");
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "dtype: expected torch.float32, torch.bfloat16 or torch.float16, got ", dtype);
+  const int fmt = out_format(dtype);
   const at::Tensor a = acc.contiguous();
   auto sizes = a.sizes().vec();
   sizes.pop_back();
@@ -32,7 +33,7 @@ at::Tensor finalize_cpu(const at::Tensor& acc, at::ScalarType dtype) {
     for (int64_t i = b; i < e; ++i) {
       for (int w = 0; w < LDET_WORDS; ++w) tmp[w] = p[i * LDET_WORDS + w];
       normalize(tmp);
-      store_as(o, i, finalize_as(tmp, dtype), dtype);
+      store_fmt(o, i, finalize_fmt(tmp, fmt), fmt);
     }
   });
   return out;

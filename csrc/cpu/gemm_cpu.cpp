@@ -8,9 +8,15 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #include <vector>
 
-#include "cpu/common_cpu.h"
+#include <ATen/Parallel.h>
+
+#include "op_checks.h"
+#include "split.h"
 #include "gemm_common.h"
 
 namespace ldet {
@@ -44,13 +50,32 @@ struct GemmArgs {
   const int32_t* ws;
   const double* bias;  // (N,) or null
   int64_t M, N, K, nkb, interval;
-  at::ScalarType out_dtype = at::kFloat;  // the one rounding goes straight to this format
+  int out_fmt = kFmtF32;  // the one rounding goes straight to this format
 };
 
-// Exact block sum on the fast path for a full TM x TN tile. Every partial sum is exact, so the
-// compiler may vectorize freely: the result is the same for any evaluation order.
+// Exact block sum on the fast path for a full TM x TN tile. Every partial sum is exact on this
+// path, so evaluation order and fma-vs-mul+add cannot change the result; we use whatever the
+// machine does fastest.
 inline void micro_block(const GemmArgs& g, int64_t i0, int64_t j0, int64_t k0, int64_t k1,
                         double blk[TM][TN]) {
+#if defined(__AVX2__) && defined(__FMA__)
+  static_assert(TN == 8, "the AVX2 micro-kernel holds 8 columns in two registers");
+  __m256d acc[TM][2];
+  for (int a = 0; a < TM; ++a) acc[a][0] = acc[a][1] = _mm256_setzero_pd();
+  for (int64_t k = k0; k < k1; ++k) {
+    const double* wk = g.wt + k * g.N + j0;
+    const __m256d w0 = _mm256_loadu_pd(wk), w1 = _mm256_loadu_pd(wk + 4);
+    for (int a = 0; a < TM; ++a) {
+      const __m256d xa = _mm256_broadcast_sd(g.x + (i0 + a) * g.K + k);
+      acc[a][0] = _mm256_fmadd_pd(xa, w0, acc[a][0]);
+      acc[a][1] = _mm256_fmadd_pd(xa, w1, acc[a][1]);
+    }
+  }
+  for (int a = 0; a < TM; ++a) {
+    _mm256_storeu_pd(blk[a], acc[a][0]);
+    _mm256_storeu_pd(blk[a] + 4, acc[a][1]);
+  }
+#else
   double acc[TM][TN] = {};
   for (int64_t k = k0; k < k1; ++k) {
     const double* wk = g.wt + k * g.N + j0;
@@ -61,6 +86,58 @@ inline void micro_block(const GemmArgs& g, int64_t i0, int64_t j0, int64_t k0, i
   }
   for (int a = 0; a < TM; ++a)
     for (int b = 0; b < TN; ++b) blk[a][b] = acc[a][b];
+#endif
+}
+
+// True when every pair of a full tile may take the fast path for K-block kb: the widest row
+// spread plus the widest column spread passes the check (all-zero rows/columns pass too, their
+// block sums are exact zeros). 12 statistics read instead of 32 pair decisions.
+inline bool tile_all_fast(const GemmArgs& g, int64_t i0, int64_t j0, int64_t kb) {
+  int sx = 0, sw = 0;
+  for (int a = 0; a < TM; ++a) {
+    const int32_t st = g.xs[(i0 + a) * g.nkb + kb];
+    const int hi = stat_hi(st);
+    if (hi == kStatSpecial) return false;
+    if (hi != kStatEmpty) sx = std::max(sx, hi - stat_lo(st));
+  }
+  for (int b = 0; b < TN; ++b) {
+    const int32_t st = g.ws[(j0 + b) * g.nkb + kb];
+    const int hi = stat_hi(st);
+    if (hi == kStatSpecial) return false;
+    if (hi != kStatEmpty) sw = std::max(sw, hi - stat_lo(st));
+  }
+  return sx + sw <= LDET_FAST_SPREAD;
+}
+
+// TwoSum of a tile's block sums into its running sums; rounding errors (rare) go to the digits.
+// The vector and scalar TwoSum are the same IEEE operations, so the result is identical.
+inline void flush_tile(const GemmArgs& g, double S[TM][TN], int64_t dig[TM][TN][LDET_WORDS],
+                       int64_t adds[TM][TN], const double blk[TM][TN]) {
+#if defined(__AVX2__)
+  for (int a = 0; a < TM; ++a)
+    for (int h = 0; h < TN; h += 4) {
+      const __m256d sv = _mm256_loadu_pd(S[a] + h), bv = _mm256_loadu_pd(blk[a] + h);
+      const __m256d s = _mm256_add_pd(sv, bv);
+      const __m256d bb = _mm256_sub_pd(s, sv);
+      const __m256d e = _mm256_add_pd(_mm256_sub_pd(sv, _mm256_sub_pd(s, bb)), _mm256_sub_pd(bv, bb));
+      _mm256_storeu_pd(S[a] + h, s);
+      if (_mm256_movemask_pd(_mm256_cmp_pd(e, _mm256_setzero_pd(), _CMP_NEQ_UQ))) {
+        double ev[4];
+        _mm256_storeu_pd(ev, e);
+        for (int l = 0; l < 4; ++l)
+          if (ev[l] != 0.0) {
+            add_double(dig[a][h + l], ev[l]);
+            if (++adds[a][h + l] >= g.interval) {
+              normalize(dig[a][h + l]);
+              adds[a][h + l] = 0;
+            }
+          }
+      }
+    }
+#else
+  for (int a = 0; a < TM; ++a)
+    for (int b = 0; b < TN; ++b) acc_term(S[a][b], dig[a][b], adds[a][b], g.interval, blk[a][b]);
+#endif
 }
 
 // One (output, K-block) pair on the path chosen for it.
@@ -104,23 +181,16 @@ void run_gemm(const GemmArgs& g, void* out_f, int64_t* out_d) {
         }
       for (int64_t kb = 0; kb < g.nkb; ++kb) {
         const int64_t k0 = kb * LDET_KBLOCK, k1 = std::min(g.K, k0 + LDET_KBLOCK);
-        BlockPath path[TM][TN];
-        bool all_fast = full;
+        if (full && tile_all_fast(g, i0, j0, kb)) {
+          micro_block(g, i0, j0, k0, k1, blk);
+          flush_tile(g, S, dig, adds, blk);
+          continue;
+        }
         for (int a = 0; a < mm; ++a)
           for (int b = 0; b < nn; ++b) {
-            path[a][b] = block_path(g.xs[(i0 + a) * g.nkb + kb], g.ws[(j0 + b) * g.nkb + kb]);
-            all_fast = all_fast && path[a][b] != kPathExact;
+            const BlockPath path = block_path(g.xs[(i0 + a) * g.nkb + kb], g.ws[(j0 + b) * g.nkb + kb]);
+            pair_block(g, i0 + a, j0 + b, k0, k1, path, S[a][b], dig[a][b], adds[a][b]);
           }
-        if (all_fast) {
-          micro_block(g, i0, j0, k0, k1, blk);
-          for (int a = 0; a < TM; ++a)
-            for (int b = 0; b < TN; ++b)
-              if (path[a][b] == kPathFast) acc_term(S[a][b], dig[a][b], adds[a][b], g.interval, blk[a][b]);
-        } else {
-          for (int a = 0; a < mm; ++a)
-            for (int b = 0; b < nn; ++b)
-              pair_block(g, i0 + a, j0 + b, k0, k1, path[a][b], S[a][b], dig[a][b], adds[a][b]);
-        }
       }
       for (int a = 0; a < mm; ++a)
         for (int b = 0; b < nn; ++b) {
@@ -128,7 +198,7 @@ void run_gemm(const GemmArgs& g, void* out_f, int64_t* out_d) {
           acc_finish(S[a][b], dig[a][b]);
           const int64_t o = (i0 + a) * g.N + (j0 + b);
           if (kFinalize) {
-            store_as(out_f, o, finalize_as(dig[a][b], g.out_dtype), g.out_dtype);
+            store_fmt(out_f, o, finalize_fmt(dig[a][b], g.out_fmt), g.out_fmt);
           } else {
             for (int w = 0; w < LDET_WORDS; ++w) out_d[o * LDET_WORDS + w] = dig[a][b][w];
           }
@@ -137,27 +207,16 @@ void run_gemm(const GemmArgs& g, void* out_f, int64_t* out_d) {
   });
 }
 
-void check_gemm_args(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  check_float_input(x, "x");
-  check_float_input(w, "w");
-  TORCH_CHECK(x.dim() == 2, "x: expected a 2-D (M, K) tensor, got shape ", x.sizes());
-  TORCH_CHECK(w.dim() == 2, "w: expected a 2-D (N, K) tensor, got shape ", w.sizes());
-  TORCH_CHECK(x.size(1) == w.size(1), "w: expected K = ", x.size(1), " columns to match x, got shape ",
-              w.sizes());
-  if (bias.has_value()) {
-    check_float_input(*bias, "bias");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0), "bias: expected shape (", w.size(0),
-                ",), got ", bias->sizes());
-  }
-}
-
 template <bool kFinalize>
 at::Tensor gemm_common_cpu(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                            int64_t norm_interval, at::ScalarType out_dtype = at::kFloat) {
   check_gemm_args(x, w, bias);
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const at::Tensor xd = x.to(at::kDouble).contiguous();     // exact widening
-  const at::Tensor wt = w.to(at::kDouble).t().contiguous();  // (K, N)
+  auto [xsplit, wsplit] = split_fp32_for_fast_path(x, w);
+  const at::Tensor& xin = xsplit.defined() ? xsplit : x;
+  const at::Tensor& win = wsplit.defined() ? wsplit : w;
+  const int64_t M = xin.size(0), K = xin.size(1), N = win.size(0);
+  const at::Tensor xd = xin.to(at::kDouble).contiguous();     // exact widening
+  const at::Tensor wt = win.to(at::kDouble).t().contiguous();  // (K, N)
   at::Tensor bd;
   if (bias.has_value()) bd = bias->to(at::kDouble).contiguous();
   GemmArgs g;
@@ -175,7 +234,7 @@ at::Tensor gemm_common_cpu(const at::Tensor& x, const at::Tensor& w, const c10::
   g.ws = ws.data();
   if (kFinalize) {
     at::Tensor out = at::empty({M, N}, x.options().dtype(out_dtype));
-    g.out_dtype = out_dtype;
+    g.out_fmt = out_format(out_dtype);
     if (M * N) run_gemm<true>(g, out.data_ptr(), nullptr);
     return out;
   }
@@ -191,10 +250,7 @@ at::Tensor gemm_partial_cpu(const at::Tensor& x, const at::Tensor& w, const c10:
 
 at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                     c10::optional<at::ScalarType> out_dtype) {
-  const at::ScalarType dt = out_dtype.value_or(at::kFloat);
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
-              "out_dtype: expected torch.float32, torch.bfloat16 or torch.float16, got ", dt);
-  return gemm_common_cpu<true>(x, w, bias, 0, dt);
+  return gemm_common_cpu<true>(x, w, bias, 0, out_dtype.value_or(at::kFloat));
 }
 
 }  // namespace

@@ -1,0 +1,83 @@
+"""Shared benchmark plumbing: timing (median after warm-up) and results files."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    return f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+
+
+def device_slug(device: str) -> str:
+    if device == "cuda":
+        name = torch.cuda.get_device_name(0).lower()
+        for key in ("h100", "h200", "a100", "l4"):
+            if key in name:
+                return key
+        return "cuda"
+    return "cpu"
+
+
+def commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, text=True).strip()
+    except Exception:  # noqa: BLE001 - a results file without a commit is still useful
+        return "unknown"
+
+
+def time_fn(fn, device: str, warmup: int = 2, repeat: int = 5, min_time: float = 0.0) -> float:
+    """Median seconds per call after warm-up; CUDA timed with events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(repeat):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+    else:
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def header(device: str) -> dict:
+    return {
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "commit": commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def write(name: str, device: str, rows: list, extra: dict | None = None) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"{device_slug(device)}-{name}.json"
+    doc = header(device)
+    if extra:
+        doc.update(extra)
+    doc["rows"] = rows
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    return out

@@ -1,0 +1,118 @@
+// CUDA implementations of normalize / finalize / to_digits (schemas: csrc/schema/digits.cpp).
+// One thread per accumulator, running the same longacc.h code as the CPU.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/library.h>
+
+#include "longacc.h"
+#include "op_checks.h"
+
+namespace ldet {
+namespace {
+
+constexpr int kThreads = 256;
+
+unsigned blocks_for(int64_t n) { return unsigned((n + kThreads - 1) / kThreads); }
+
+__global__ void normalize_kernel(int64_t* __restrict__ acc, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) normalize(acc + i * LDET_WORDS);
+}
+
+__global__ void finalize_kernel(const int64_t* __restrict__ acc, int64_t n, int fmt, void* __restrict__ out) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  int64_t tmp[LDET_WORDS];
+  for (int w = 0; w < LDET_WORDS; ++w) tmp[w] = acc[i * LDET_WORDS + w];
+  normalize(tmp);
+  store_fmt(out, i, finalize_fmt(tmp, fmt), fmt);
+}
+
+template <typename T>
+__device__ __forceinline__ double widen(T v);
+template <>
+__device__ __forceinline__ double widen<float>(float v) { return double(v); }
+template <>
+__device__ __forceinline__ double widen<__nv_bfloat16>(__nv_bfloat16 v) { return double(__bfloat162float(v)); }
+template <>
+__device__ __forceinline__ double widen<__half>(__half v) { return double(__half2float(v)); }
+
+template <typename T>
+__global__ void to_digits_kernel(const T* __restrict__ x, int64_t n, int64_t* __restrict__ out) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  int64_t* d = out + i * LDET_WORDS;
+  zero(d);
+  add_value(d, widen<T>(x[i]));
+  normalize(d);
+}
+
+at::Tensor normalize_cuda(const at::Tensor& acc) {
+  check_acc(acc, "acc");
+  c10::cuda::CUDAGuard guard(acc.device());
+  at::Tensor out = acc.contiguous().clone();
+  const int64_t n = out.numel() / LDET_WORDS;
+  if (n) {
+    normalize_kernel<<<blocks_for(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(out.data_ptr<int64_t>(), n);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return out;
+}
+
+at::Tensor finalize_cuda(const at::Tensor& acc, at::ScalarType dtype) {
+  check_acc(acc, "acc");
+  const int fmt = out_format(dtype);
+  c10::cuda::CUDAGuard guard(acc.device());
+  const at::Tensor a = acc.contiguous();
+  auto sizes = a.sizes().vec();
+  sizes.pop_back();
+  at::Tensor out = at::empty(sizes, a.options().dtype(dtype));
+  const int64_t n = out.numel();
+  if (n) {
+    finalize_kernel<<<blocks_for(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(a.data_ptr<int64_t>(), n, fmt,
+                                                                                        out.data_ptr());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return out;
+}
+
+at::Tensor to_digits_cuda(const at::Tensor& x_in) {
+  check_float_input(x_in, "x");
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  auto sizes = x.sizes().vec();
+  sizes.push_back(LDET_WORDS);
+  at::Tensor out = at::empty(sizes, x.options().dtype(at::kLong));
+  const int64_t n = x.numel();
+  if (!n) return out;
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  int64_t* o = out.data_ptr<int64_t>();
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      to_digits_kernel<float><<<blocks_for(n), kThreads, 0, stream>>>(x.data_ptr<float>(), n, o);
+      break;
+    case at::kBFloat16:
+      to_digits_kernel<__nv_bfloat16><<<blocks_for(n), kThreads, 0, stream>>>(
+          reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), n, o);
+      break;
+    default:
+      to_digits_kernel<__half><<<blocks_for(n), kThreads, 0, stream>>>(reinterpret_cast<const __half*>(x.data_ptr()), n, o);
+      break;
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ldet, CUDA, m) {
+  m.impl("normalize", &normalize_cuda);
+  m.impl("finalize", &finalize_cuda);
+  m.impl("to_digits", &to_digits_cuda);
+}
+
+}  // namespace ldet

@@ -1,0 +1,45 @@
+// Argument checks and dtype mapping shared by the CPU and CUDA op implementations.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "longacc.h"
+
+namespace ldet {
+
+inline void check_acc(const at::Tensor& acc, const char* name) {
+  TORCH_CHECK(acc.scalar_type() == at::kLong, name, ": expected an int64 long accumulator, got ",
+              acc.scalar_type());
+  TORCH_CHECK(acc.dim() >= 1 && acc.size(-1) == LDET_WORDS, name,
+              ": expected a trailing digit dimension of ", LDET_WORDS, ", got shape ", acc.sizes());
+}
+
+inline void check_float_input(const at::Tensor& t, const char* name) {
+  const auto st = t.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, name,
+              ": expected float32, bfloat16 or float16, got ", st);
+}
+
+// The OutFormat code (longacc.h) of an output dtype.
+inline int out_format(at::ScalarType dt) {
+  if (dt == at::kBFloat16) return kFmtBF16;
+  if (dt == at::kHalf) return kFmtF16;
+  TORCH_CHECK(dt == at::kFloat, "dtype: expected torch.float32, torch.bfloat16 or torch.float16, got ", dt);
+  return kFmtF32;
+}
+
+inline void check_gemm_args(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  check_float_input(x, "x");
+  check_float_input(w, "w");
+  TORCH_CHECK(x.dim() == 2, "x: expected a 2-D (M, K) tensor, got shape ", x.sizes());
+  TORCH_CHECK(w.dim() == 2, "w: expected a 2-D (N, K) tensor, got shape ", w.sizes());
+  TORCH_CHECK(x.size(1) == w.size(1), "w: expected K = ", x.size(1), " columns to match x, got shape ",
+              w.sizes());
+  if (bias.has_value()) {
+    check_float_input(*bias, "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0), "bias: expected shape (", w.size(0),
+                ",), got ", bias->sizes());
+  }
+}
+
+}  // namespace ldet
