@@ -1,0 +1,107 @@
+"""CUDA kernels: bitwise equal to the CPU kernels (and so to the exact reference)."""
+import random
+
+import pytest
+import torch
+from conftest import assert_bitwise, cuda
+
+import gen
+from lightning_det.nn import DetLinear
+from lightning_det.ops import det_combine, det_finalize, det_gemm, det_gemm_partial, det_normalize, to_digits
+from lightning_det.reference import longacc_ref as R
+
+pytestmark = cuda
+
+
+def inputs():
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    yield "normal fp32 5x123x123", gen.normal((5, 123), f32, 1), gen.normal((123, 123), f32, 2)
+    yield "normal bf16 67x129x19", gen.normal((67, 129), bf16, 3), gen.normal((19, 129), bf16, 4)
+    yield "normal fp16 130x300x70", gen.normal((130, 300), f16, 5), gen.normal((70, 300), f16, 6)
+    yield "wide fp32", gen.wide_exponents((70, 200), -100, 100, seed=7), gen.wide_exponents((66, 200), -100, 100, seed=8)
+    yield "wide bf16", gen.wide_exponents((65, 96), -60, 60, bf16, 9), gen.wide_exponents((64, 96), -60, 60, bf16, 10)
+    yield "full range fp32", gen.wide_exponents((33, 64), -149, 127, seed=11), gen.wide_exponents((31, 64), -149, 127, seed=12)
+    yield "subnormal", gen.subnormals((20, 77), seed=13), gen.normal((21, 77), seed=14)
+    x, w = gen.cancellation(seed=15)
+    yield "cancellation", x, w
+    sp = gen.normal((9, 40), seed=16)
+    sp[0, 3], sp[1, 5], sp[2, 7], sp[3, 1] = float("inf"), float("-inf"), float("nan"), float("inf")
+    wsp = gen.normal((8, 40), seed=17)
+    wsp[0, 3], wsp[2, 9] = 0.0, float("-inf")
+    yield "specials", sp, wsp
+
+
+@pytest.mark.parametrize("case", list(range(9)))
+def test_cpu_and_cuda_give_the_same_bytes(case):
+    name, x, w = list(inputs())[case]
+    bias = gen.normal((w.shape[0],), torch.float32, 99)
+    acc_cpu = det_gemm_partial(x, w, bias)
+    acc_gpu = det_gemm_partial(x.cuda(), w.cuda(), bias.cuda())
+    assert torch.equal(acc_cpu, acc_gpu.cpu()), f"{name}: digits differ between CPU and CUDA"
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        assert_bitwise(det_finalize(acc_gpu, dt).cpu(), det_finalize(acc_cpu, dt), f"{name} finalize {dt}")
+        assert_bitwise(det_gemm(x.cuda(), w.cuda(), bias.cuda(), out_dtype=dt).cpu(),
+                       det_gemm(x, w, bias, out_dtype=dt), f"{name} det_gemm {dt}")
+    if x.numel() <= 40 * 200:
+        assert torch.equal(acc_cpu, R.gemm_digits(x, w, bias)), f"{name}: CPU vs Python reference"
+
+
+def test_cuda_large_random_matches_cpu():
+    for dt in (torch.float32, torch.bfloat16):
+        x, w = gen.normal((300, 1000), dt, 20), gen.normal((260, 1000), dt, 21)
+        assert_bitwise(det_gemm(x.cuda(), w.cuda()).cpu(), det_gemm(x, w), f"300x260x1000 {dt}")
+
+
+def test_cuda_elementwise_ops_match_cpu():
+    v = torch.cat([gen.wide_exponents((500,), -149, 127, seed=22), torch.tensor([0.0, -0.0, float("inf"), float("nan")])])
+    assert torch.equal(to_digits(v.cuda()).cpu(), to_digits(v))
+    raw = torch.randint(-(1 << 62), 1 << 62, (300, 19), dtype=torch.int64)
+    raw[:, 18] = 0
+    assert torch.equal(det_normalize(raw.cuda()).cpu(), det_normalize(raw))
+    acc = det_normalize(raw)
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        assert_bitwise(det_finalize(acc.cuda(), dt).cpu(), det_finalize(acc, dt), f"finalize {dt}")
+
+
+def test_cuda_k_shard_and_row_invariance_and_cublas_control():
+    rng = random.Random(0)
+    x, w = gen.normal((256, 1024), seed=23).cuda(), gen.normal((192, 1024), seed=24).cuda()
+    full = det_gemm(x, w)
+    for pieces in (2, 3, 16):
+        cuts = [0] + sorted(rng.sample(range(1, 1024), pieces - 1)) + [1024]
+        parts = [det_gemm_partial(x[:, a:b], w[:, a:b]) for a, b in zip(cuts, cuts[1:])]
+        rng.shuffle(parts)
+        assert_bitwise(det_finalize(det_combine(parts)), full, f"cuts {cuts}")
+    for m in (1, 3, 17, 100):
+        assert_bitwise(det_gemm(x[:m], w), full[:m], f"m={m}")
+    # control: cuBLAS fp32 changes bits under a K split and with the row count
+    torch.backends.cuda.matmul.allow_tf32 = False
+    mm = x @ w.T
+    assert not torch.equal(mm, x[:, :500] @ w[:, :500].T + x[:, 500:] @ w[:, 500:].T)
+    xb, wb = gen.normal((2048, 1024), seed=25).cuda(), gen.normal((512, 1024), seed=26).cuda()
+    assert not torch.equal((xb @ wb.T)[:8], xb[:8] @ wb.T)
+
+
+def test_cuda_norm_interval_path():
+    x, w = gen.wide_exponents((70, 300), -90, 90, seed=27).cuda(), gen.wide_exponents((65, 300), -90, 90, seed=28).cuda()
+    base = det_gemm_partial(x, w)
+    assert torch.equal(det_gemm_partial(x, w, _norm_interval=2), base)
+    assert torch.equal(base.cpu(), det_gemm_partial(x.cpu(), w.cpu()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_detlinear_cuda_matches_cpu(dtype):
+    torch.manual_seed(0)
+    cpu = DetLinear(96, 40, dtype=dtype)
+    gpu = DetLinear(96, 40, dtype=dtype, device="cuda")
+    gpu.load_state_dict(cpu.state_dict())
+    x = gen.normal((3, 11, 96), dtype, 30)
+    gy = gen.normal((3, 11, 40), dtype, 31)
+    xc, xg = x.clone().requires_grad_(), x.cuda().requires_grad_()
+    cpu(xc).backward(gy)
+    yg = gpu(xg)
+    yg.backward(gy.cuda())
+    assert_bitwise(yg.detach().cpu(), cpu(x).detach(), "forward")
+    assert_bitwise(xg.grad.cpu(), xc.grad, "dX")
+    assert_bitwise(gpu.weight.grad.cpu(), cpu.weight.grad, "dW")
+    assert_bitwise(gpu.bias.grad.cpu(), cpu.bias.grad, "db")
