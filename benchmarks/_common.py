@@ -32,6 +32,8 @@ def device_slug(device: str) -> str:
 
 
 def commit() -> str:
+    if os.environ.get("LDET_COMMIT"):  # the device machine gets a copy of the tree without .git
+        return os.environ["LDET_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, text=True).strip()
     except Exception:  # noqa: BLE001 - a results file without a commit is still useful
