@@ -1,0 +1,83 @@
+// CUDA implementation of the AdamWSR ops (formula and rounding: csrc/adamw_sr.h). One launch
+// per parameter; each thread owns one 8-element Philox block of global indices, so every draw
+// is computed once and the result cannot depend on the launch shape.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "adamw_sr.h"
+#include "adamw_sr_checks.h"
+#include "cuda/adamw_sr_kernels.cuh"
+
+namespace {
+
+using ldet::AdamWScalars;
+
+constexpr int kThreads = 256;
+
+int64_t grid_for(int64_t nblk) {
+  // Grid-stride loops cap the grid; 32 CTAs per SM keeps every SM busy without tail effects.
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t want = (nblk + kThreads - 1) / kThreads;
+  return std::max<int64_t>(1, std::min<int64_t>(want, sms * 32));
+}
+
+template <typename ParamT, typename GradT>
+void launch(at::Tensor& param, const at::Tensor& grad, at::Tensor& m, at::Tensor& v,
+            const AdamWScalars& s, uint64_t seed, uint64_t step, uint64_t base) {
+  const int64_t n = param.numel();
+  const int64_t nblk = ldet::num_philox_blocks(base, n);
+  ldet::adamw_sr_kernel<ParamT, GradT>
+      <<<grid_for(nblk), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+          reinterpret_cast<ParamT*>(param.data_ptr()),
+          reinterpret_cast<const GradT*>(grad.data_ptr()), m.data_ptr<float>(),
+          v.data_ptr<float>(), n, nblk, s, seed, step, base);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void adamw_sr_step_cuda(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg,
+                        at::Tensor exp_avg_sq, double decay, double beta1, double one_minus_beta1,
+                        double beta2, double one_minus_beta2, double step_size, double bc2_sqrt,
+                        double eps, int64_t seed, int64_t step, int64_t base_index) {
+  ldet::check_adamw_sr_args(param, grad, exp_avg, exp_avg_sq, base_index);
+  TORCH_CHECK(param.is_cuda(), "adamw_sr_step (CUDA): param must be a CUDA tensor");
+  if (param.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(param.device());
+  const AdamWScalars s = ldet::make_scalars(decay, beta1, one_minus_beta1, beta2,
+                                            one_minus_beta2, step_size, bc2_sqrt, eps);
+  const uint64_t sd = static_cast<uint64_t>(seed), st = static_cast<uint64_t>(step),
+                 base = static_cast<uint64_t>(base_index);
+  const bool p32 = param.scalar_type() == at::kFloat;
+  const bool g32 = grad.scalar_type() == at::kFloat;
+  if (p32 && g32) launch<float, float>(param, grad, exp_avg, exp_avg_sq, s, sd, st, base);
+  if (p32 && !g32) launch<float, uint16_t>(param, grad, exp_avg, exp_avg_sq, s, sd, st, base);
+  if (!p32 && g32) launch<uint16_t, float>(param, grad, exp_avg, exp_avg_sq, s, sd, st, base);
+  if (!p32 && !g32) launch<uint16_t, uint16_t>(param, grad, exp_avg, exp_avg_sq, s, sd, st, base);
+}
+
+at::Tensor sr_round_bf16_cuda(const at::Tensor& x_in, int64_t seed, int64_t step,
+                              int64_t base_index) {
+  ldet::check_sr_round_args(x_in, base_index);
+  TORCH_CHECK(x_in.is_cuda(), "sr_round_bf16 (CUDA): x must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
+  const int64_t n = x.numel();
+  if (n == 0) return out;
+  const uint64_t base = static_cast<uint64_t>(base_index);
+  const int64_t nblk = ldet::num_philox_blocks(base, n);
+  ldet::sr_round_kernel<<<grid_for(nblk), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      x.data_ptr<float>(), reinterpret_cast<uint16_t*>(out.data_ptr()), n, nblk,
+      static_cast<uint64_t>(seed), static_cast<uint64_t>(step), base);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ldet, CUDA, m) {
+  m.impl("adamw_sr_step", &adamw_sr_step_cuda);
+  m.impl("sr_round_bf16", &sr_round_bf16_cuda);
+}
