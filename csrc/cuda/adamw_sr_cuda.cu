@@ -2,9 +2,9 @@
 // per parameter; each thread owns one 8-element Philox block of global indices, so every draw
 // is computed once and the result cannot depend on the launch shape.
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include "adamw_sr.h"
@@ -19,9 +19,11 @@ constexpr int kThreads = 256;
 
 int64_t grid_for(int64_t nblk) {
   // Grid-stride loops cap the grid; 32 CTAs per SM keeps every SM busy without tail effects.
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  int dev = 0, sms = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   const int64_t want = (nblk + kThreads - 1) / kThreads;
-  return std::max<int64_t>(1, std::min<int64_t>(want, sms * 32));
+  return std::max<int64_t>(1, std::min<int64_t>(want, int64_t(sms) * 32));
 }
 
 template <typename ParamT, typename GradT>
@@ -30,7 +32,7 @@ void launch(at::Tensor& param, const at::Tensor& grad, at::Tensor& m, at::Tensor
   const int64_t n = param.numel();
   const int64_t nblk = ldet::num_philox_blocks(base, n);
   ldet::adamw_sr_kernel<ParamT, GradT>
-      <<<grid_for(nblk), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      <<<grid_for(nblk), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
           reinterpret_cast<ParamT*>(param.data_ptr()),
           reinterpret_cast<const GradT*>(grad.data_ptr()), m.data_ptr<float>(),
           v.data_ptr<float>(), n, nblk, s, seed, step, base);
@@ -68,7 +70,7 @@ at::Tensor sr_round_bf16_cuda(const at::Tensor& x_in, int64_t seed, int64_t step
   if (n == 0) return out;
   const uint64_t base = static_cast<uint64_t>(base_index);
   const int64_t nblk = ldet::num_philox_blocks(base, n);
-  ldet::sr_round_kernel<<<grid_for(nblk), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+  ldet::sr_round_kernel<<<grid_for(nblk), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       x.data_ptr<float>(), reinterpret_cast<uint16_t*>(out.data_ptr()), n, nblk,
       static_cast<uint64_t>(seed), static_cast<uint64_t>(step), base);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
