@@ -4,6 +4,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+
 #include "adamw_sr.h"
 #include "adamw_sr_checks.h"
 
@@ -15,29 +17,112 @@ using ldet::AdamWScalars;
 // task, small enough to spread a 1M-element parameter over all cores.
 constexpr int64_t kGrainBlocks = 4096;
 
-template <typename ParamT, typename GradT>
-void run(at::Tensor& param, const at::Tensor& grad, at::Tensor& m, at::Tensor& v,
-         const AdamWScalars& s, uint64_t seed, uint64_t step, uint64_t base) {
-  ParamT* p = reinterpret_cast<ParamT*>(param.data_ptr());
-  const GradT* g = reinterpret_cast<const GradT*>(grad.data_ptr());
+constexpr int64_t kChunk = 1024;  // elements per pass; a multiple of 8
+constexpr int kLanes = 8;          // Philox blocks computed together
+
+// Writes out[i] = SR(x[i]) for i < len, where x[0] has global index g0. The draws of a chunk
+// are computed first, kLanes Philox blocks at a time (the tail lanes compute blocks past the
+// end, which are discarded), then applied in one tight loop.
+__attribute__((always_inline)) inline void sr_write(uint16_t* __restrict__ out, const float* __restrict__ x, int64_t len,
+                     uint64_t g0, uint64_t seed, uint64_t step) {
+  alignas(64) uint32_t draws[kChunk + 8 * kLanes + 8];
+  const uint64_t blk0 = g0 >> 3, nblk = ((g0 + static_cast<uint64_t>(len) + 7) >> 3) - blk0;
+  for (uint64_t b = 0; b < nblk; b += kLanes) {
+    uint32_t w[4][kLanes];
+    ldet::philox_block_lanes<kLanes>(seed, step, blk0 + b, w);
+    for (int l = 0; l < kLanes; ++l) {
+      uint32_t* d = draws + 8 * (b + l);
+      for (int k = 0; k < 4; ++k) {
+        d[2 * k] = w[k][l] & 0xffffu;
+        d[2 * k + 1] = w[k][l] >> 16;
+      }
+    }
+  }
+  const uint32_t* d = draws + (g0 & 7u);
+  for (int64_t i = 0; i < len; ++i) out[i] = ldet::bf16_stochastic_round(x[i], d[i]);
+}
+
+// bf16 parameters, local elements [lo, hi): the same per-element arithmetic as
+// ldet::adamw_sr_block, in passes over a chunk so that the fp32 update and the Philox draws
+// each run as a loop the compiler can vectorize.
+template <typename GradT>
+__attribute__((always_inline)) inline void bf16_range(uint16_t* __restrict__ p, const GradT* __restrict__ g, float* __restrict__ m,
+                float* __restrict__ v, int64_t lo, int64_t hi, const AdamWScalars& s,
+                uint64_t seed, uint64_t step, uint64_t base) {
+  alignas(64) float buf[kChunk];
+  for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {
+    const int64_t len = std::min<int64_t>(hi - c0, kChunk);
+    for (int64_t i = 0; i < len; ++i) {
+      const int64_t k = c0 + i;
+      buf[i] = ldet::adamw_element(ldet::bf16_to_float(p[k]), ldet::Elem<GradT>::load(g, k),
+                                   m + k, v + k, s);
+    }
+    sr_write(p + c0, buf, len, base + static_cast<uint64_t>(c0), seed, step);
+  }
+}
+
+}  // namespace
+
+// The hot loops are compiled twice, for AVX2 and for baseline x86-64, and picked at load time
+// (GCC ifunc). Neither may change bytes: both use only IEEE-rounded +,-,*,/,sqrt without FMA
+// (-ffp-contract=off; "avx2" does not enable FMA) and integer Philox arithmetic.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define LDET_CPU_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define LDET_CPU_CLONES
+#endif
+
+namespace ldet {
+namespace cpu_detail {
+
+using RangeFn = void (*)(void*, const void*, float*, float*, int64_t, int64_t,
+                         const AdamWScalars&, uint64_t, uint64_t, uint64_t);
+
+#define LDET_F32_RANGE(NAME, GT)                                                              \
+  LDET_CPU_CLONES void NAME(void* p, const void* g, float* m, float* v, int64_t lo, int64_t hi, \
+                            const AdamWScalars& s, uint64_t seed, uint64_t step, uint64_t base) { \
+    adamw_sr_block<float, GT>(static_cast<float*>(p), static_cast<const GT*>(g), m, v, lo, hi,  \
+                              s, seed, step, base);                                             \
+  }
+#define LDET_BF16_RANGE(NAME, GT)                                                             \
+  LDET_CPU_CLONES void NAME(void* p, const void* g, float* m, float* v, int64_t lo, int64_t hi, \
+                            const AdamWScalars& s, uint64_t seed, uint64_t step, uint64_t base) { \
+    bf16_range<GT>(static_cast<uint16_t*>(p), static_cast<const GT*>(g), m, v, lo, hi, s, seed, \
+                   step, base);                                                                 \
+  }
+LDET_F32_RANGE(range_f32_f32, float)
+LDET_F32_RANGE(range_f32_bf16, uint16_t)
+LDET_BF16_RANGE(range_bf16_f32, float)
+LDET_BF16_RANGE(range_bf16_bf16, uint16_t)
+
+LDET_CPU_CLONES void sr_range(uint16_t* out, const float* x, int64_t lo, int64_t hi,
+                              uint64_t seed, uint64_t step, uint64_t base) {
+  for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {
+    sr_write(out + c0, x + c0, std::min<int64_t>(hi - c0, kChunk),
+             base + static_cast<uint64_t>(c0), seed, step);
+  }
+}
+
+}  // namespace cpu_detail
+}  // namespace ldet
+
+namespace {
+
+void run(ldet::cpu_detail::RangeFn fn, at::Tensor& param, const at::Tensor& grad, at::Tensor& m,
+         at::Tensor& v, const AdamWScalars& s, uint64_t seed, uint64_t step, uint64_t base) {
+  void* p = param.data_ptr();
+  const void* g = grad.data_ptr();
   float* mp = m.data_ptr<float>();
   float* vp = v.data_ptr<float>();
   const int64_t n = param.numel();
   const int64_t nblk = ldet::num_philox_blocks(base, n);
+  // Tasks own whole Philox blocks of global indices, so which task computes an element (and
+  // how many threads there are) cannot change its bytes.
   at::parallel_for(0, nblk, kGrainBlocks, [&](int64_t b0, int64_t b1) {
-    // Consecutive Philox blocks form one contiguous local range; only the bf16 path needs
-    // the block boundaries, for its draws.
     int64_t lo, hi, lo_end, hi_end;
     ldet::philox_block_range(b0, base, n, &lo, &hi);
     ldet::philox_block_range(b1 - 1, base, n, &lo_end, &hi_end);
-    if constexpr (std::is_same<ParamT, float>::value) {
-      ldet::adamw_sr_block<ParamT, GradT>(p, g, mp, vp, lo, hi_end, s, seed, step, base);
-    } else {
-      for (int64_t t = b0; t < b1; ++t) {
-        ldet::philox_block_range(t, base, n, &lo, &hi);
-        ldet::adamw_sr_block<ParamT, GradT>(p, g, mp, vp, lo, hi, s, seed, step, base);
-      }
-    }
+    fn(p, g, mp, vp, lo, hi_end, s, seed, step, base);
   });
 }
 
@@ -54,10 +139,10 @@ void adamw_sr_step_cpu(at::Tensor param, const at::Tensor& grad, at::Tensor exp_
                  base = static_cast<uint64_t>(base_index);
   const bool p32 = param.scalar_type() == at::kFloat;
   const bool g32 = grad.scalar_type() == at::kFloat;
-  if (p32 && g32) run<float, float>(param, grad, exp_avg, exp_avg_sq, s, sd, st, base);
-  if (p32 && !g32) run<float, uint16_t>(param, grad, exp_avg, exp_avg_sq, s, sd, st, base);
-  if (!p32 && g32) run<uint16_t, float>(param, grad, exp_avg, exp_avg_sq, s, sd, st, base);
-  if (!p32 && !g32) run<uint16_t, uint16_t>(param, grad, exp_avg, exp_avg_sq, s, sd, st, base);
+  if (p32 && g32) run(ldet::cpu_detail::range_f32_f32, param, grad, exp_avg, exp_avg_sq, s, sd, st, base);
+  if (p32 && !g32) run(ldet::cpu_detail::range_f32_bf16, param, grad, exp_avg, exp_avg_sq, s, sd, st, base);
+  if (!p32 && g32) run(ldet::cpu_detail::range_bf16_f32, param, grad, exp_avg, exp_avg_sq, s, sd, st, base);
+  if (!p32 && !g32) run(ldet::cpu_detail::range_bf16_bf16, param, grad, exp_avg, exp_avg_sq, s, sd, st, base);
 }
 
 at::Tensor sr_round_bf16_cpu(const at::Tensor& x_in, int64_t seed, int64_t step,
@@ -70,12 +155,11 @@ at::Tensor sr_round_bf16_cpu(const at::Tensor& x_in, int64_t seed, int64_t step,
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const uint64_t base = static_cast<uint64_t>(base_index);
   at::parallel_for(0, ldet::num_philox_blocks(base, n), kGrainBlocks, [&](int64_t b0, int64_t b1) {
-    for (int64_t t = b0; t < b1; ++t) {
-      int64_t lo, hi;
-      ldet::philox_block_range(t, base, n, &lo, &hi);
-      ldet::sr_round_block(xp, op, lo, hi, static_cast<uint64_t>(seed),
-                           static_cast<uint64_t>(step), base);
-    }
+    int64_t lo, hi, lo_end, hi_end;
+    ldet::philox_block_range(b0, base, n, &lo, &hi);
+    ldet::philox_block_range(b1 - 1, base, n, &lo_end, &hi_end);
+    ldet::cpu_detail::sr_range(op, xp, lo, hi_end, static_cast<uint64_t>(seed),
+                               static_cast<uint64_t>(step), base);
   });
   return out;
 }
