@@ -431,7 +431,8 @@ def test_lightning_configure_optimizers_bf16_true():
 @pytest.mark.parametrize("gdt", [torch.float32, torch.bfloat16])
 def test_cpu_and_cuda_give_the_same_bytes(pdt, gdt):
     g = torch.Generator().manual_seed(8)
-    shapes = [(5, 123), (1000_003,), (3, 7)]
+    # Bases 0, 1000000, 1000615, 2000616: the third is not a multiple of 8 (scalar path).
+    shapes = [(1000_000,), (5, 123), (1000_001,), (3, 7)]
     cpu = [torch.randn(s, generator=g).to(pdt) for s in shapes]
     gpu = [p.clone().cuda() for p in cpu]
     oc = AdamWSR(cpu, lr=1e-3, weight_decay=0.05, seed=2**40 + 3)
