@@ -54,17 +54,20 @@ def _sync(dev: str) -> None:
         torch.cuda.synchronize()
 
 
-def _time_steps(step, dev: str, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        step()
+def _time_interleaved(steps: list, dev: str, warmup: int, repeats: int) -> list[float]:
+    # Round-robin over the optimizers, so load drift on a shared machine hits all rows alike.
+    for step in steps:
+        for _ in range(warmup):
+            step()
     _sync(dev)
-    times = []
+    times = [[] for _ in steps]
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        _sync(dev)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for i, step in enumerate(steps):
+            t0 = time.perf_counter()
+            step()
+            _sync(dev)
+            times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 def _state_bytes(opt) -> int:
@@ -88,21 +91,20 @@ def bench_device(dev: str, total: float, warmup: int, repeats: int) -> dict:
     g = torch.Generator().manual_seed(0)
     init = [torch.randn(s, generator=g).to(dev) for s in shapes]
     grads = [(torch.randn(s, generator=g) * 1e-3).to(dev) for s in shapes]
-    rows = []
-
     def make(dtype):
         ps = [p.clone().to(dtype) for p in init]
         for p, gr in zip(ps, grads):
             p.grad = gr.to(dtype)
         return ps
 
+    rows, steps = [], []
+
     # Baseline: torch fused AdamW on fp32 parameters.
     ps = make(torch.float32)
     base_opt, base_mode = _torch_adamw(ps, dev)
-    t_base = _time_steps(base_opt.step, dev, warmup, repeats)
+    steps.append(base_opt.step)
     rows.append(dict(name=f"torch.optim.AdamW({base_mode.split(' ')[0]}) fp32 params", mode=base_mode,
-                     step_ms=t_base * 1e3, ratio_vs_torch_fp32=1.0,
-                     optimizer_bytes_per_param=_state_bytes(base_opt) / n, weight_bytes_per_param=4))
+                     optimizer_bytes_per_param=_state_bytes, weight_bytes_per_param=4, opt=base_opt))
 
     # The usual bf16 recipe: bf16 model, fp32 master + fp32 moments; step = AdamW on the master
     # plus the copy back into the bf16 weights.
@@ -114,19 +116,24 @@ def bench_device(dev: str, total: float, warmup: int, repeats: int) -> dict:
         m_opt.step()
         torch._foreach_copy_(model, master)
 
-    t = _time_steps(master_step, dev, warmup, repeats)
+    steps.append(master_step)
     rows.append(dict(name="fp32-master AdamW for a bf16 model (step + copy to bf16)", mode=m_mode,
-                     step_ms=t * 1e3, ratio_vs_torch_fp32=t / t_base,
-                     optimizer_bytes_per_param=(_state_bytes(m_opt) + 4 * n) / n, weight_bytes_per_param=2))
+                     optimizer_bytes_per_param=lambda o: _state_bytes(o) + 4 * n, weight_bytes_per_param=2, opt=m_opt))
 
     for dtype, label in ((torch.float32, "fp32"), (torch.bfloat16, "bf16 (stochastic rounding)")):
         ps = make(dtype)
         opt = AdamWSR(ps, lr=1e-4, weight_decay=0.01, seed=1)
-        t = _time_steps(opt.step, dev, warmup, repeats)
+        steps.append(opt.step)
         rows.append(dict(name=f"AdamWSR {label} params", mode="fused per-parameter kernel",
-                         step_ms=t * 1e3, ratio_vs_torch_fp32=t / t_base,
-                         optimizer_bytes_per_param=_state_bytes(opt) / n,
-                         weight_bytes_per_param=2 if dtype == torch.bfloat16 else 4))
+                         optimizer_bytes_per_param=_state_bytes,
+                         weight_bytes_per_param=2 if dtype == torch.bfloat16 else 4, opt=opt))
+
+    times = _time_interleaved(steps, dev, warmup, repeats)
+    for row, t in zip(rows, times):
+        opt = row.pop("opt")
+        row["optimizer_bytes_per_param"] = row["optimizer_bytes_per_param"](opt) / n
+        row["step_ms"] = t * 1e3
+        row["ratio_vs_torch_fp32"] = t / times[0]
 
     if dev == "cuda":
         name = torch.cuda.get_device_name()
@@ -141,7 +148,7 @@ def bench_device(dev: str, total: float, warmup: int, repeats: int) -> dict:
         benchmark="optim", device=name, device_type=dev, torch=torch.__version__, cuda=torch.version.cuda,
         commit=commit, uncommitted_changes=dirty,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        params=n, shapes=[list(s) for s in shapes], warmup=warmup, repeats=repeats, statistic="median",
+        params=n, shapes=[list(s) for s in shapes], warmup=warmup, repeats=repeats, statistic="median, rows timed round-robin",
         load_average=os.getloadavg() if hasattr(os, "getloadavg") else None,
         rows=rows,
     )
@@ -154,8 +161,12 @@ def main() -> None:
     ap.add_argument("--cuda-params", type=float, default=100e6)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="CPU threads (torch.set_num_threads); 0 keeps torch's default")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     for dev in args.devices.split(","):
         if dev == "cuda" and not torch.cuda.is_available():
             print("cuda: no GPU here, skipped")
