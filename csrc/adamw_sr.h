@@ -31,6 +31,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "longacc.h"
 #include "philox.h"
 
 namespace ldet {
@@ -50,25 +51,14 @@ LDET_HD float div(float a, float b) { return a / b; }
 LDET_HD float sqrt(float a) { return std::sqrt(a); }
 #endif
 
-LDET_HD uint32_t bits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof(u));
-  return u;
-}
-LDET_HD float from_bits(uint32_t u) {
-  float f;
-  memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
 }  // namespace fp32
 
 // bf16 is carried as its raw 16 bits so that CPU and CUDA need no bf16 type of their own.
-LDET_HD float bf16_to_float(uint16_t h) { return fp32::from_bits(static_cast<uint32_t>(h) << 16); }
+LDET_HD float bf16_to_float(uint16_t h) { return float_of(static_cast<uint32_t>(h) << 16); }
 
 // r16 in [0, 65535]: the element's Philox draw.
 LDET_HD uint16_t bf16_stochastic_round(float x, uint32_t r16) {
-  const uint32_t u = fp32::bits(x);
+  const uint32_t u = bits_of(x);
   if ((u & 0x7f800000u) == 0x7f800000u) {
     const uint32_t hi = u >> 16;
     return static_cast<uint16_t>((u & 0x007fffffu) ? (hi | 0x0040u) : hi);

@@ -45,6 +45,27 @@ inline AdamWScalars make_scalars(double decay, double beta1, double one_minus_be
                       static_cast<float>(bc2_sqrt),        static_cast<float>(eps)};
 }
 
+// The kernels' view of one adamw_sr_step call: fp32 scalars and the 64-bit Philox inputs.
+struct AdamWLaunch {
+  AdamWScalars s;
+  uint64_t seed, step, base;
+  bool param_fp32, grad_fp32;
+};
+
+inline AdamWLaunch prepare_adamw_sr(const at::Tensor& param, const at::Tensor& grad,
+                                    const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                                    double decay, double beta1, double one_minus_beta1,
+                                    double beta2, double one_minus_beta2, double step_size,
+                                    double bc2_sqrt, double eps, int64_t seed, int64_t step,
+                                    int64_t base_index) {
+  check_adamw_sr_args(param, grad, exp_avg, exp_avg_sq, base_index);
+  return AdamWLaunch{make_scalars(decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
+                                  step_size, bc2_sqrt, eps),
+                     static_cast<uint64_t>(seed), static_cast<uint64_t>(step),
+                     static_cast<uint64_t>(base_index), param.scalar_type() == at::kFloat,
+                     grad.scalar_type() == at::kFloat};
+}
+
 inline void check_sr_round_args(const at::Tensor& x, int64_t base_index) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "sr_round_bf16: x must be float32, got ",
               x.scalar_type());

@@ -108,41 +108,32 @@ LDET_CPU_CLONES void sr_range(uint16_t* out, const float* x, int64_t lo, int64_t
 
 namespace {
 
-void run(ldet::cpu_detail::RangeFn fn, at::Tensor& param, const at::Tensor& grad, at::Tensor& m,
-         at::Tensor& v, const AdamWScalars& s, uint64_t seed, uint64_t step, uint64_t base) {
-  void* p = param.data_ptr();
-  const void* g = grad.data_ptr();
-  float* mp = m.data_ptr<float>();
-  float* vp = v.data_ptr<float>();
-  const int64_t n = param.numel();
-  const int64_t nblk = ldet::num_philox_blocks(base, n);
-  // Tasks own whole Philox blocks of global indices, so which task computes an element (and
-  // how many threads there are) cannot change its bytes.
-  at::parallel_for(0, nblk, kGrainBlocks, [&](int64_t b0, int64_t b1) {
-    int64_t lo, hi, lo_end, hi_end;
-    ldet::philox_block_range(b0, base, n, &lo, &hi);
-    ldet::philox_block_range(b1 - 1, base, n, &lo_end, &hi_end);
-    fn(p, g, mp, vp, lo, hi_end, s, seed, step, base);
-  });
-}
-
 void adamw_sr_step_cpu(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg,
                        at::Tensor exp_avg_sq, double decay, double beta1, double one_minus_beta1,
                        double beta2, double one_minus_beta2, double step_size, double bc2_sqrt,
                        double eps, int64_t seed, int64_t step, int64_t base_index) {
-  ldet::check_adamw_sr_args(param, grad, exp_avg, exp_avg_sq, base_index);
+  const ldet::AdamWLaunch a =
+      ldet::prepare_adamw_sr(param, grad, exp_avg, exp_avg_sq, decay, beta1, one_minus_beta1,
+                             beta2, one_minus_beta2, step_size, bc2_sqrt, eps, seed, step,
+                             base_index);
   TORCH_CHECK(param.device().is_cpu(), "adamw_sr_step (CPU): param must be on the CPU");
-  if (param.numel() == 0) return;
-  const AdamWScalars s = ldet::make_scalars(decay, beta1, one_minus_beta1, beta2,
-                                            one_minus_beta2, step_size, bc2_sqrt, eps);
-  const uint64_t sd = static_cast<uint64_t>(seed), st = static_cast<uint64_t>(step),
-                 base = static_cast<uint64_t>(base_index);
-  const bool p32 = param.scalar_type() == at::kFloat;
-  const bool g32 = grad.scalar_type() == at::kFloat;
-  if (p32 && g32) run(ldet::cpu_detail::range_f32_f32, param, grad, exp_avg, exp_avg_sq, s, sd, st, base);
-  if (p32 && !g32) run(ldet::cpu_detail::range_f32_bf16, param, grad, exp_avg, exp_avg_sq, s, sd, st, base);
-  if (!p32 && g32) run(ldet::cpu_detail::range_bf16_f32, param, grad, exp_avg, exp_avg_sq, s, sd, st, base);
-  if (!p32 && !g32) run(ldet::cpu_detail::range_bf16_bf16, param, grad, exp_avg, exp_avg_sq, s, sd, st, base);
+  const int64_t n = param.numel();
+  if (n == 0) return;
+  using namespace ldet::cpu_detail;
+  const RangeFn fns[2][2] = {{range_bf16_bf16, range_bf16_f32}, {range_f32_bf16, range_f32_f32}};
+  const RangeFn fn = fns[a.param_fp32][a.grad_fp32];
+  void* p = param.data_ptr();
+  const void* g = grad.data_ptr();
+  float* mp = exp_avg.data_ptr<float>();
+  float* vp = exp_avg_sq.data_ptr<float>();
+  // Tasks own whole Philox blocks of global indices, so which task computes an element (and
+  // how many threads there are) cannot change its bytes.
+  at::parallel_for(0, ldet::num_philox_blocks(a.base, n), kGrainBlocks, [&](int64_t b0, int64_t b1) {
+    int64_t lo, hi, lo_end, hi_end;
+    ldet::philox_block_range(b0, a.base, n, &lo, &hi);
+    ldet::philox_block_range(b1 - 1, a.base, n, &lo_end, &hi_end);
+    fn(p, g, mp, vp, lo, hi_end, a.s, a.seed, a.step, a.base);
+  });
 }
 
 at::Tensor sr_round_bf16_cpu(const at::Tensor& x_in, int64_t seed, int64_t step,

@@ -28,14 +28,14 @@ int64_t grid_for(int64_t nblk) {
 
 template <typename ParamT, typename GradT>
 void launch(at::Tensor& param, const at::Tensor& grad, at::Tensor& m, at::Tensor& v,
-            const AdamWScalars& s, uint64_t seed, uint64_t step, uint64_t base) {
+            const ldet::AdamWLaunch& a) {
   const int64_t n = param.numel();
-  const int64_t nblk = ldet::num_philox_blocks(base, n);
+  const int64_t nblk = ldet::num_philox_blocks(a.base, n);
   ldet::adamw_sr_kernel<ParamT, GradT>
       <<<grid_for(nblk), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
           reinterpret_cast<ParamT*>(param.data_ptr()),
           reinterpret_cast<const GradT*>(grad.data_ptr()), m.data_ptr<float>(),
-          v.data_ptr<float>(), n, nblk, s, seed, step, base);
+          v.data_ptr<float>(), n, nblk, a.s, a.seed, a.step, a.base);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -43,20 +43,17 @@ void adamw_sr_step_cuda(at::Tensor param, const at::Tensor& grad, at::Tensor exp
                         at::Tensor exp_avg_sq, double decay, double beta1, double one_minus_beta1,
                         double beta2, double one_minus_beta2, double step_size, double bc2_sqrt,
                         double eps, int64_t seed, int64_t step, int64_t base_index) {
-  ldet::check_adamw_sr_args(param, grad, exp_avg, exp_avg_sq, base_index);
+  const ldet::AdamWLaunch a =
+      ldet::prepare_adamw_sr(param, grad, exp_avg, exp_avg_sq, decay, beta1, one_minus_beta1,
+                             beta2, one_minus_beta2, step_size, bc2_sqrt, eps, seed, step,
+                             base_index);
   TORCH_CHECK(param.is_cuda(), "adamw_sr_step (CUDA): param must be a CUDA tensor");
   if (param.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(param.device());
-  const AdamWScalars s = ldet::make_scalars(decay, beta1, one_minus_beta1, beta2,
-                                            one_minus_beta2, step_size, bc2_sqrt, eps);
-  const uint64_t sd = static_cast<uint64_t>(seed), st = static_cast<uint64_t>(step),
-                 base = static_cast<uint64_t>(base_index);
-  const bool p32 = param.scalar_type() == at::kFloat;
-  const bool g32 = grad.scalar_type() == at::kFloat;
-  if (p32 && g32) launch<float, float>(param, grad, exp_avg, exp_avg_sq, s, sd, st, base);
-  if (p32 && !g32) launch<float, uint16_t>(param, grad, exp_avg, exp_avg_sq, s, sd, st, base);
-  if (!p32 && g32) launch<uint16_t, float>(param, grad, exp_avg, exp_avg_sq, s, sd, st, base);
-  if (!p32 && !g32) launch<uint16_t, uint16_t>(param, grad, exp_avg, exp_avg_sq, s, sd, st, base);
+  if (a.param_fp32 && a.grad_fp32) launch<float, float>(param, grad, exp_avg, exp_avg_sq, a);
+  if (a.param_fp32 && !a.grad_fp32) launch<float, uint16_t>(param, grad, exp_avg, exp_avg_sq, a);
+  if (!a.param_fp32 && a.grad_fp32) launch<uint16_t, float>(param, grad, exp_avg, exp_avg_sq, a);
+  if (!a.param_fp32 && !a.grad_fp32) launch<uint16_t, uint16_t>(param, grad, exp_avg, exp_avg_sq, a);
 }
 
 at::Tensor sr_round_bf16_cuda(const at::Tensor& x_in, int64_t seed, int64_t step,
