@@ -23,8 +23,9 @@ constexpr int kLanes = 8;          // Philox blocks computed together
 // Writes out[i] = SR(x[i]) for i < len, where x[0] has global index g0. The draws of a chunk
 // are computed first, kLanes Philox blocks at a time (the tail lanes compute blocks past the
 // end, which are discarded), then applied in one tight loop.
-__attribute__((always_inline)) inline void sr_write(uint16_t* __restrict__ out, const float* __restrict__ x, int64_t len,
-                     uint64_t g0, uint64_t seed, uint64_t step) {
+__attribute__((always_inline)) inline void sr_write(uint16_t* __restrict__ out,
+                                                    const float* __restrict__ x, int64_t len,
+                                                    uint64_t g0, uint64_t seed, uint64_t step) {
   alignas(64) uint32_t draws[kChunk + 8 * kLanes + 8];
   const uint64_t blk0 = g0 >> 3, nblk = ((g0 + static_cast<uint64_t>(len) + 7) >> 3) - blk0;
   for (uint64_t b = 0; b < nblk; b += kLanes) {
@@ -46,9 +47,12 @@ __attribute__((always_inline)) inline void sr_write(uint16_t* __restrict__ out, 
 // ldet::adamw_sr_block, in passes over a chunk so that the fp32 update and the Philox draws
 // each run as a loop the compiler can vectorize.
 template <typename GradT>
-__attribute__((always_inline)) inline void bf16_range(uint16_t* __restrict__ p, const GradT* __restrict__ g, float* __restrict__ m,
-                float* __restrict__ v, int64_t lo, int64_t hi, const AdamWScalars& s,
-                uint64_t seed, uint64_t step, uint64_t base) {
+__attribute__((always_inline)) inline void bf16_range(uint16_t* __restrict__ p,
+                                                      const GradT* __restrict__ g,
+                                                      float* __restrict__ m, float* __restrict__ v,
+                                                      int64_t lo, int64_t hi,
+                                                      const AdamWScalars& s, uint64_t seed,
+                                                      uint64_t step, uint64_t base) {
   alignas(64) float buf[kChunk];
   for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {
     const int64_t len = std::min<int64_t>(hi - c0, kChunk);
@@ -128,7 +132,8 @@ void adamw_sr_step_cpu(at::Tensor param, const at::Tensor& grad, at::Tensor exp_
   float* vp = exp_avg_sq.data_ptr<float>();
   // Tasks own whole Philox blocks of global indices, so which task computes an element (and
   // how many threads there are) cannot change its bytes.
-  at::parallel_for(0, ldet::num_philox_blocks(a.base, n), kGrainBlocks, [&](int64_t b0, int64_t b1) {
+  const int64_t nblk = ldet::num_philox_blocks(a.base, n);
+  at::parallel_for(0, nblk, kGrainBlocks, [&](int64_t b0, int64_t b1) {
     int64_t lo, hi, lo_end, hi_end;
     ldet::philox_block_range(b0, a.base, n, &lo, &hi);
     ldet::philox_block_range(b1 - 1, a.base, n, &lo_end, &hi_end);

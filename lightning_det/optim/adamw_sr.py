@@ -91,7 +91,8 @@ def _host_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_deca
 def _as_float(name: str, value: Any) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(f"AdamWSR: {name} must be a number or a one-element tensor, got shape {tuple(value.shape)}")
+            raise ValueError(f"AdamWSR: {name} must be a number or a one-element tensor, "
+                             f"got shape {tuple(value.shape)}")
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"AdamWSR: {name} must be a float, got {type(value).__name__}")
@@ -148,7 +149,8 @@ class AdamWSR(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        _check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"], group["seed"])
+        _check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"],
+                       group["seed"])
         base = group.get("base_index")
         if base is not None and (isinstance(base, bool) or not isinstance(base, int) or base < 0):
             raise ValueError(f"AdamWSR: param group 'base_index' must be an int >= 0, got {base!r}")
@@ -161,9 +163,11 @@ class AdamWSR(torch.optim.Optimizer):
             if p.dtype not in _SUPPORTED:
                 raise TypeError(f"AdamWSR: parameters must be float32 or bfloat16, got {p.dtype}")
             if p.layout != torch.strided:
-                raise TypeError(f"AdamWSR: parameters must be dense (strided) tensors, got {p.layout}")
+                raise TypeError("AdamWSR: parameters must be dense (strided) tensors, "
+                                f"got {p.layout}")
             if p.device.type not in ("cpu", "cuda"):
-                raise TypeError(f"AdamWSR: parameters must be on the CPU or a CUDA GPU, got {p.device}")
+                raise TypeError("AdamWSR: parameters must be on the CPU or a CUDA GPU, "
+                                f"got {p.device}")
 
     def _default_base_indices(self) -> dict:
         offsets, total = {}, 0
@@ -204,15 +208,18 @@ class AdamWSR(torch.optim.Optimizer):
                     raise RuntimeError("AdamWSR does not support sparse gradients; use a dense "
                                        "embedding (sparse=False) or torch.optim.SparseAdam")
                 if grad.dtype not in _SUPPORTED:
-                    raise TypeError(f"AdamWSR: gradients must be float32 or bfloat16, got {grad.dtype}")
+                    raise TypeError("AdamWSR: gradients must be float32 or bfloat16, "
+                                    f"got {grad.dtype}")
                 if not p.is_contiguous():
                     raise RuntimeError("AdamWSR: parameters must be contiguous (the random draw "
-                                       f"of an element is keyed by its offset); got strides {p.stride()}")
+                                       "of an element is keyed by its offset); got strides "
+                                       f"{p.stride()}")
                 state = self.state[p]
                 if len(state) == 0:
                     state["step"] = torch.zeros((), dtype=torch.int64)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+                    fmt = torch.contiguous_format
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=fmt)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=fmt)
                 state["step"] += 1
                 t = int(state["step"])
                 s = _host_scalars(lr, beta1, beta2, eps, wd, t)
@@ -246,12 +253,15 @@ class AdamWSR(torch.optim.Optimizer):
                 if v.shape != p.shape:
                     raise ValueError(f"AdamWSR.load_state_dict: {k} of parameter {pid} has shape "
                                      f"{tuple(v.shape)}, the parameter {tuple(p.shape)}")
-                st[k] = v.to(device=p.device, dtype=torch.float32, memory_format=torch.contiguous_format, copy=True)
+                st[k] = v.to(device=p.device, dtype=torch.float32,
+                             memory_format=torch.contiguous_format, copy=True)
             if "step" in st:
-                st["step"] = torch.as_tensor(st["step"]).detach().to(device="cpu", dtype=torch.int64).reshape(())
+                step = torch.as_tensor(st["step"]).detach()
+                st["step"] = step.to(device="cpu", dtype=torch.int64).reshape(())
 
 
-def stochastic_round_bf16(x: torch.Tensor, seed: int, step: int = 0, base_index: int = 0) -> torch.Tensor:
+def stochastic_round_bf16(x: torch.Tensor, seed: int, step: int = 0,
+                          base_index: int = 0) -> torch.Tensor:
     """fp32 -> bf16 with the AdamWSR stochastic rounding and Philox draws.
 
     Args:
@@ -266,7 +276,8 @@ def stochastic_round_bf16(x: torch.Tensor, seed: int, step: int = 0, base_index:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _U64:
         raise ValueError(f"stochastic_round_bf16: seed must be an int in [0, 2**64), got {seed!r}")
     if not 0 <= step < 1 << 63 or not 0 <= base_index < 1 << 63:
-        raise ValueError(f"stochastic_round_bf16: step and base_index must be in [0, 2**63), got {step}, {base_index}")
+        raise ValueError("stochastic_round_bf16: step and base_index must be in [0, 2**63), "
+                         f"got {step}, {base_index}")
     _build.load()
     return torch.ops.ldet.sr_round_bf16(x, _signed64(seed), step, base_index)
 
