@@ -215,11 +215,12 @@ LDET_HD int clz64(uint64_t v) {
 #endif
 }
 
-// Rounds a canonical accumulator once, to nearest-even, into a float with `prec` significand
-// bits (24: fp32, 8: bf16, 11: fp16) whose smallest subnormal is 2^emin_ulp and whose values
-// stop below 2^emax_excl. Returns the result as an fp32 bit pattern (exact for bf16/fp16, whose
-// values are all fp32 values) or, for fp16, as the fp32 image too; NaN -> quiet NaN.
-LDET_HD float round_acc(const int64_t* acc_in, int prec, int emin_ulp, int emax_excl) {
+// Rounds a canonical accumulator times 2^scale_exp (scale_exp <= 0: an exact division by a
+// power of two, e.g. a mean over 2^k ranks) once, to nearest-even, into a float with `prec`
+// significand bits (24: fp32, 8: bf16, 11: fp16) whose smallest subnormal is 2^emin_ulp and
+// whose values stop below 2^emax_excl. Returns the value as an fp32 (exact for bf16/fp16,
+// whose values are all fp32 values); NaN -> quiet NaN.
+LDET_HD float round_acc(const int64_t* acc_in, int prec, int emin_ulp, int emax_excl, int scale_exp = 0) {
   const int64_t st = acc_in[LDET_STATUS];
   const bool nan = (st & LDET_STATUS_MASK) != 0;
   const bool pinf = ((st >> LDET_STATUS_BITS) & LDET_STATUS_MASK) != 0;
@@ -239,10 +240,11 @@ LDET_HD float round_acc(const int64_t* acc_in, int prec, int emin_ulp, int emax_
   while (h >= 0 && m[h] == 0) --h;
   if (h < 0) return 0.0f;  // exact zero -> +0.0
   const int msb = 32 * h + (63 - clz64(uint64_t(m[h])));  // bit index of the leading one
-  const int p = msb + LDET_LSB_EXP;                        // value in [2^p, 2^(p+1))
+  const int base = LDET_LSB_EXP + scale_exp;  // weight of bit 0 after scaling
+  const int p = msb + base;                     // value in [2^p, 2^(p+1))
   int ulp = p - (prec - 1);
   if (ulp < emin_ulp) ulp = emin_ulp;
-  const int u = ulp - LDET_LSB_EXP;  // >= 0 for every supported format
+  const int u = ulp - base;  // >= 0 for every supported format, as scale_exp <= 0
   uint64_t q = 0;
   for (int i = msb; i >= u; --i) q = (q << 1) | mag_bit(m, i);
   const bool round_bit = u >= 1 && mag_bit(m, u - 1);
@@ -259,9 +261,9 @@ LDET_HD float round_acc(const int64_t* acc_in, int prec, int emin_ulp, int emax_
   return neg ? -f : f;
 }
 
-LDET_HD float finalize_fp32(const int64_t* acc) { return round_acc(acc, 24, -149, 128); }
-LDET_HD float finalize_bf16_as_fp32(const int64_t* acc) { return round_acc(acc, 8, -133, 128); }
-LDET_HD float finalize_fp16_as_fp32(const int64_t* acc) { return round_acc(acc, 11, -24, 16); }
+LDET_HD float finalize_fp32(const int64_t* acc, int scale_exp = 0) { return round_acc(acc, 24, -149, 128, scale_exp); }
+LDET_HD float finalize_bf16_as_fp32(const int64_t* acc, int scale_exp = 0) { return round_acc(acc, 8, -133, 128, scale_exp); }
+LDET_HD float finalize_fp16_as_fp32(const int64_t* acc, int scale_exp = 0) { return round_acc(acc, 11, -24, 16, scale_exp); }
 
 // Bit patterns of a value already rounded into bf16 / fp16 (so exactly representable there).
 // Written out rather than left to a library cast, so NaN is the canonical quiet NaN everywhere.
@@ -285,10 +287,10 @@ LDET_HD uint16_t fp16_bits_exact(float v) {
 // Output formats of the one rounding, shared by every kernel that finalizes.
 enum OutFormat { kFmtF32 = 0, kFmtBF16 = 1, kFmtF16 = 2 };
 
-LDET_HD float finalize_fmt(const int64_t* acc, int fmt) {
-  if (fmt == kFmtBF16) return finalize_bf16_as_fp32(acc);
-  if (fmt == kFmtF16) return finalize_fp16_as_fp32(acc);
-  return finalize_fp32(acc);
+LDET_HD float finalize_fmt(const int64_t* acc, int fmt, int scale_exp = 0) {
+  if (fmt == kFmtBF16) return finalize_bf16_as_fp32(acc, scale_exp);
+  if (fmt == kFmtF16) return finalize_fp16_as_fp32(acc, scale_exp);
+  return finalize_fp32(acc, scale_exp);
 }
 
 // Stores a value rounded by finalize_fmt into element i of a buffer of that format.

@@ -28,6 +28,10 @@ inline int out_format(at::ScalarType dt) {
   return kFmtF32;
 }
 
+inline void check_scale_exp(int64_t scale_exp) {
+  TORCH_CHECK(scale_exp <= 0 && scale_exp >= -64, "scale_exp: expected an integer in [-64, 0], got ", scale_exp);
+}
+
 inline void check_gemm_args(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   check_float_input(x, "x");
   check_float_input(w, "w");

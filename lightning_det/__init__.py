@@ -1,12 +1,26 @@
 """lightning-det: bitwise-deterministic training arithmetic for PyTorch and Lightning.
 
 Layers (dependencies point downward only):
-  lightning_det.ops      exact long-accumulator ops over the compiled core (no Lightning import)
-  lightning_det.nn       DetLinear and friends, det_transform (no Lightning import)
-  lightning_det.optim    AdamWSR (no Lightning import)
+  lightning_det.ops       exact long-accumulator ops over the compiled core (no Lightning import)
+  lightning_det.nn        DetLinear and friends, det_transform (no Lightning import)
+  lightning_det.optim     AdamWSR, exact clipping (no Lightning import)
+  lightning_det.parallel  gradient sync, global_mean, exact reduce, audit (no Lightning import)
   strategy / callbacks / cli   Lightning glue
+
+``import lightning_det`` registers ``Trainer(strategy="det_ddp")`` (and ``"det_ddp_spawn"``,
+and ``Fabric(strategy="det_ddp")``) when Lightning is installed.
 """
+from .parallel.loss import global_mean
 from .profile import PROFILE
 
 __version__ = "0.1.0"
-__all__ = ["PROFILE", "__version__"]
+__all__ = ["PROFILE", "global_mean", "__version__"]
+
+try:
+    import lightning  # noqa: F401
+except ImportError:  # the ops/nn/optim layers work without Lightning
+    pass
+else:
+    from .strategy import register as _register
+
+    _register()

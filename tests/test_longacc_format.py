@@ -108,3 +108,17 @@ def test_equal_values_have_equal_bytes():
     b = det_gemm_partial(torch.tensor([[1.5, 0.75]]), torch.tensor([[1.0, 2.0]]))[0]
     c = det_combine([to_digits(torch.tensor([5.0])), to_digits(torch.tensor([-2.0]))])
     assert torch.equal(a, b) and torch.equal(b, c)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finalize_with_power_of_two_scale_rounds_once(dtype):
+    accs = det_combine([to_digits(gen.wide_exponents((64,), -149, 127, seed=s)) for s in range(5)])
+    # include values whose halving lands on fp32 ties and subnormals
+    edge = to_digits(torch.tensor([2.0 ** -148 * 3, 1.0 + 2.0 ** -23, 2.0 ** -149, -(2.0 ** -147) * 5]))
+    for acc in (accs, edge):
+        for k in (0, 1, 2, 5, 40):
+            got = det_finalize(acc, dtype, scale_exp=-k)
+            ref = R.tensor_of([R.round_scaled(R.value_of_digits(a.tolist()), dtype, k) for a in acc], dtype, got.shape)
+            assert_bitwise(got, ref, f"scale 2^-{k}")
+    with pytest.raises(ValueError, match=r"^scale_exp: expected an integer in \[-64, 0\]"):
+        det_finalize(accs, scale_exp=1)

@@ -19,8 +19,9 @@ at::Tensor normalize_cpu(const at::Tensor& acc) {
   return out;
 }
 
-at::Tensor finalize_cpu(const at::Tensor& acc, at::ScalarType dtype) {
+at::Tensor finalize_cpu(const at::Tensor& acc, at::ScalarType dtype, int64_t scale_exp) {
   check_acc(acc, "acc");
+  check_scale_exp(scale_exp);
   const int fmt = out_format(dtype);
   const at::Tensor a = acc.contiguous();
   auto sizes = a.sizes().vec();
@@ -33,7 +34,7 @@ at::Tensor finalize_cpu(const at::Tensor& acc, at::ScalarType dtype) {
     for (int64_t i = b; i < e; ++i) {
       for (int w = 0; w < LDET_WORDS; ++w) tmp[w] = p[i * LDET_WORDS + w];
       normalize(tmp);
-      store_fmt(o, i, finalize_fmt(tmp, fmt), fmt);
+      store_fmt(o, i, finalize_fmt(tmp, fmt, int(scale_exp)), fmt);
     }
   });
   return out;

@@ -23,13 +23,13 @@ __global__ void normalize_kernel(int64_t* __restrict__ acc, int64_t n) {
   if (i < n) normalize(acc + i * LDET_WORDS);
 }
 
-__global__ void finalize_kernel(const int64_t* __restrict__ acc, int64_t n, int fmt, void* __restrict__ out) {
+__global__ void finalize_kernel(const int64_t* __restrict__ acc, int64_t n, int fmt, int scale_exp, void* __restrict__ out) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   int64_t tmp[LDET_WORDS];
   for (int w = 0; w < LDET_WORDS; ++w) tmp[w] = acc[i * LDET_WORDS + w];
   normalize(tmp);
-  store_fmt(out, i, finalize_fmt(tmp, fmt), fmt);
+  store_fmt(out, i, finalize_fmt(tmp, fmt, scale_exp), fmt);
 }
 
 template <typename T>
@@ -63,8 +63,9 @@ at::Tensor normalize_cuda(const at::Tensor& acc) {
   return out;
 }
 
-at::Tensor finalize_cuda(const at::Tensor& acc, at::ScalarType dtype) {
+at::Tensor finalize_cuda(const at::Tensor& acc, at::ScalarType dtype, int64_t scale_exp) {
   check_acc(acc, "acc");
+  check_scale_exp(scale_exp);
   const int fmt = out_format(dtype);
   c10::cuda::CUDAGuard guard(acc.device());
   const at::Tensor a = acc.contiguous();
@@ -73,7 +74,7 @@ at::Tensor finalize_cuda(const at::Tensor& acc, at::ScalarType dtype) {
   at::Tensor out = at::empty(sizes, a.options().dtype(dtype));
   const int64_t n = out.numel();
   if (n) {
-    finalize_kernel<<<blocks_for(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(a.data_ptr<int64_t>(), n, fmt,
+    finalize_kernel<<<blocks_for(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(a.data_ptr<int64_t>(), n, fmt, int(scale_exp),
                                                                                         out.data_ptr());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }

@@ -10,8 +10,9 @@
 TORCH_LIBRARY_FRAGMENT(ldet, m) {
   // (..., 19) int64 -> canonical (..., 19) int64 (carry propagation, status clamped).
   m.def("normalize(Tensor acc) -> Tensor");
-  // (..., 19) int64 -> (...) of `dtype` (float32, bfloat16, float16), rounded once.
-  m.def("finalize(Tensor acc, ScalarType dtype) -> Tensor");
+  // (..., 19) int64 -> (...) of `dtype` (float32, bfloat16, float16): value * 2^scale_exp
+  // (scale_exp in [-64, 0]: an exact power-of-two division), rounded once.
+  m.def("finalize(Tensor acc, ScalarType dtype, int scale_exp=0) -> Tensor");
   // (...) float32/bfloat16/float16 -> canonical (..., 19) int64 holding each value exactly.
   m.def("to_digits(Tensor x) -> Tensor");
   // Layout constants of the compiled core, checked against lightning_det/profile.py at load.

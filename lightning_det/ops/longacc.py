@@ -179,12 +179,14 @@ def det_combine(accs: Sequence[LongAcc] | Iterable[LongAcc]) -> LongAcc:
     return _ops().normalize(total) if len(accs) == 1 else total
 
 
-def det_finalize(acc: LongAcc, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Rounds a LongAcc once, to nearest-even, to ``dtype``.
+def det_finalize(acc: LongAcc, dtype: torch.dtype = torch.float32, *, scale_exp: int = 0) -> torch.Tensor:
+    """Rounds a LongAcc (times ``2**scale_exp``) once, to nearest-even, to ``dtype``.
 
     Args:
         acc: int64 (..., 19).
         dtype: torch.float32 (default), torch.bfloat16 or torch.float16.
+        scale_exp: integer in [-64, 0]; the exact value is divided by ``2**-scale_exp`` before
+            the one rounding (a mean over a power-of-two count without a second rounding).
 
     Returns:
         (...) tensor of ``dtype``. NaN if any NaN, inf x 0 or +inf with -inf went in; +-inf for
@@ -193,7 +195,9 @@ def det_finalize(acc: LongAcc, dtype: torch.dtype = torch.float32) -> torch.Tens
     check_acc(acc)
     if dtype not in _FLOATS:
         raise TypeError(f"dtype: expected torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
-    return _ops().finalize(acc, dtype)
+    if not isinstance(scale_exp, int) or not -64 <= scale_exp <= 0:
+        raise ValueError(f"scale_exp: expected an integer in [-64, 0], got {scale_exp!r}")
+    return _ops().finalize(acc, dtype, scale_exp)
 
 
 def to_digits(x: torch.Tensor) -> LongAcc:
@@ -218,7 +222,7 @@ def _register_fakes() -> None:
         return torch.empty_like(acc)
 
     @torch.library.register_fake(lib + "finalize")
-    def _(acc, dtype):
+    def _(acc, dtype, scale_exp=0):
         return acc.new_empty(acc.shape[:-1], dtype=dtype)
 
     @torch.library.register_fake(lib + "to_digits")

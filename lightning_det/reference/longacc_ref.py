@@ -59,16 +59,17 @@ class ExactSum:
         self.add_product(v, 1.0)
 
 
-def round_scaled(n: int, dtype: torch.dtype = torch.float32) -> float:
-    """Rounds n * 2^-298 once, to nearest-even, into `dtype`; returns it as a Python float."""
+def round_scaled(n: int, dtype: torch.dtype = torch.float32, extra_shift: int = 0) -> float:
+    """Rounds n * 2^-(298 + extra_shift) once, to nearest-even, into `dtype` (a Python float)."""
     prec, emin_ulp, emax = FORMATS[dtype]
+    scale = SCALE + extra_shift
     if n == 0:
         return 0.0
     neg = n < 0
     m = -n if neg else n
-    p = m.bit_length() - 1 - SCALE  # m * 2^-298 in [2^p, 2^(p+1))
+    p = m.bit_length() - 1 - scale  # the value is in [2^p, 2^(p+1))
     ulp = max(p - (prec - 1), emin_ulp)
-    shift = ulp + SCALE
+    shift = ulp + scale
     q, r = divmod(m, 1 << shift)
     half = 1 << (shift - 1)
     if r > half or (r == half and q % 2 == 1):

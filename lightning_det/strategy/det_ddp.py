@@ -1,0 +1,178 @@
+"""DeterministicStrategy (``Trainer(strategy="det_ddp")``): world-size and accumulation
+invariant data-parallel training.
+
+How it differs from Lightning's DDPStrategy:
+- no DistributedDataParallel wrapper and no bucketed float all-reduce: the model's det modules
+  run in digit mode, so gradients stay unrounded long-accumulator digits through backward,
+  through every micro-batch of ``accumulate_grad_batches`` and through one int64 SUM all-reduce
+  (gloo or NCCL; the same code on CPU and GPU), and are rounded once, before
+  ``on_before_optimizer_step`` hooks and clipping see them;
+- the global mean is exact: a per-rank mean loss is scaled by 1/N inside the one rounding
+  (N a power of two), or the loss comes from ``lightning_det.global_mean`` (any N);
+- one global, world-size independent sample order (``DeterministicSampler``): rank r gets its
+  slice of every global batch;
+- gradient-norm clipping is exact (``clip_grad_norm_exact_``); ``self.log(..., sync_dist=True)``
+  and ``reduce`` are exact reductions;
+- strict environment (deterministic algorithms, TF32 off, cuBLAS workspace, NCCL pinned);
+- the first optimizer step is audited op by op against the verified set: strict mode raises
+  on anything else, non-strict mode labels the run unverified (``det_verified``).
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+from ..nn.grad_digits import set_grad_digits
+from ..optim.clip import clip_grad_norm_exact_
+from ..parallel.audit import OpAudit
+from ..parallel.env import apply_strict_environment
+from ..parallel.grad_sync import grad_scale_exp, sync_gradients
+from ..parallel.loss import consume_global_mean_flag
+from ..parallel.reduce import exact_reduce
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DeterministicStrategy"]
+
+
+class DeterministicStrategy(DDPStrategy):
+    """Data-parallel strategy whose results are bitwise independent of world size and
+    micro-batching. Accepts DDPStrategy's arguments plus:
+
+    Args:
+        strict: raise on modules/ops outside the verified set (default); False trains anyway
+            and labels the run unverified (``self.det_verified = False``).
+        seed: seed of the global sample order (DeterministicSampler), default 0.
+        audit: audit the ops of the first optimizer step (default True).
+    """
+
+    strategy_name = "det_ddp"
+
+    def __init__(self, *args: Any, strict: bool = True, seed: int = 0, audit: bool = True, **kwargs: Any) -> None:
+        # Before anything touches CUDA or NCCL (the Trainer builds strategies first).
+        self.det_environment = apply_strict_environment()
+        super().__init__(*args, **kwargs)
+        self.strict = strict
+        self.seed = seed
+        self.audit = audit
+        self.det_verified: Optional[bool] = None
+        self.det_unverified_reasons: list = []
+        self.det_last_sync: dict = {}
+        self._audited = False
+
+    # ---- set-up --------------------------------------------------------------------------
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        module = self.lightning_module
+        set_grad_digits(module, True)
+        unverified = list(getattr(module, "ldet_unverified", []) or [])
+        for name, m in module.named_modules():
+            if getattr(m, "ldet_unverified", None) and m is not module:
+                unverified += list(m.ldet_unverified)
+        if unverified:
+            self.det_unverified_reasons += [f"module {u}" for u in unverified]
+        self._sync_initial_states()
+        self._patch_clipping()
+
+    def _setup_model(self, model):
+        # No DistributedDataParallel: gradients are reduced as digits in optimizer_step.
+        return model
+
+    def _register_ddp_hooks(self) -> None:
+        return None
+
+    def _sync_initial_states(self) -> None:
+        if not (dist.is_available() and dist.is_initialized()) or self.world_size == 1:
+            return
+        with torch.no_grad():
+            for t in list(self.lightning_module.parameters()) + list(self.lightning_module.buffers()):
+                dist.broadcast(t.data, src=0)
+
+    def _patch_clipping(self) -> None:
+        plugin = self.precision_plugin
+
+        def clip_grad_by_norm(optimizer, clip_val):
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            clip_grad_norm_exact_(params, float(clip_val))
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm
+
+    # ---- data ----------------------------------------------------------------------------
+    def process_dataloader(self, dataloader: object) -> object:
+        """Replaces the training sampler with the world-size independent DeterministicSampler."""
+        if not isinstance(dataloader, DataLoader) or self.lightning_module is None:
+            return dataloader
+        trainer = self.lightning_module._trainer
+        if trainer is None or not trainer.training:
+            return dataloader
+        if dataloader.batch_size is None:
+            raise ValueError("dataloader: det_ddp needs a DataLoader with a batch_size (per-rank micro-batch)")
+        from ..data.sampler import DeterministicSampler
+
+        if isinstance(dataloader.sampler, DeterministicSampler):
+            return dataloader
+        shuffle = isinstance(dataloader.sampler, RandomSampler) or (
+            isinstance(dataloader.sampler, DistributedSampler) and dataloader.sampler.shuffle
+        )
+        sampler = DeterministicSampler(
+            len(dataloader.dataset), dataloader.batch_size, num_replicas=self.world_size,
+            rank=self.global_rank, shuffle=shuffle, seed=self.seed,
+        )
+        return DataLoader(
+            dataloader.dataset, batch_size=dataloader.batch_size, sampler=sampler,
+            num_workers=dataloader.num_workers, collate_fn=dataloader.collate_fn,
+            pin_memory=dataloader.pin_memory, drop_last=False, persistent_workers=dataloader.persistent_workers,
+        )
+
+    # ---- the step ------------------------------------------------------------------------
+    def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        def closure_then_sync():
+            if self.audit and not self._audited:
+                with OpAudit(self.lightning_module) as audit:
+                    result = closure()
+                self._audited = True
+                ok = audit.check(self.strict)
+                if not ok:
+                    self.det_unverified_reasons.append("ops outside the verified set (see warning)")
+            else:
+                result = closure()
+            self.sync_gradients(optimizer)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+
+    def sync_gradients(self, optimizer) -> dict:
+        """Reduces all gradients of ``optimizer``'s params exactly and rounds them once."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        scale = grad_scale_exp(self.world_size, consume_global_mean_flag())
+        stats = sync_gradients(params, scale_exp=scale)
+        if stats["rounded_only"] and "params with rounded-only gradients" not in self.det_unverified_reasons:
+            self.det_unverified_reasons.append("params with rounded-only gradients")
+            msg = (f"{stats['rounded_only']} parameter(s) received ordinary rounded gradients (not from det "
+                   "modules): their sums are exact across ranks but not world-size invariant")
+            if self.strict:
+                raise RuntimeError(msg + ". Run det_transform(model) or pass strict=False.")
+            warnings.warn(msg)
+        self.det_verified = not self.det_unverified_reasons
+        self.det_last_sync = stats
+        return stats
+
+    # ---- logging -------------------------------------------------------------------------
+    def reduce(self, tensor, group=None, reduce_op="mean"):
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        return exact_reduce(tensor, group=group, reduce_op=str(reduce_op) if reduce_op is not None else "mean")
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        for name, start_method in (("det_ddp", "popen"), ("det_ddp_spawn", "spawn")):
+            strategy_registry.register(
+                name, cls, description=f"world-size invariant exact DDP, start_method '{start_method}'",
+                start_method=start_method,
+            )

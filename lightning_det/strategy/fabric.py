@@ -1,0 +1,79 @@
+"""``Fabric(strategy="det_ddp")``: the same exact reduction as the Trainer strategy.
+
+Usage is ordinary Fabric; the reduction happens inside ``optimizer.step()``:
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="det_ddp"); fabric.launch()
+    model, opt = fabric.setup(det_transform(model), opt)
+    for micro_batch in ...:
+        fabric.backward(global_mean(per_sample_loss(model(x), y)))  # digits accumulate
+    opt.step()   # one exact all-reduce, one rounding, then the optimizer
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+
+from ..nn.grad_digits import set_grad_digits
+from ..optim.clip import clip_grad_norm_exact_
+from ..parallel.env import apply_strict_environment
+from ..parallel.grad_sync import grad_scale_exp, sync_gradients
+from ..parallel.loss import consume_global_mean_flag
+from ..parallel.reduce import exact_reduce
+
+__all__ = ["FabricDeterministicStrategy"]
+
+
+class FabricDeterministicStrategy(FabricDDPStrategy):
+    """Fabric's DDPStrategy without the DDP wrapper; gradients reduced as digits."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.det_environment = apply_strict_environment()
+        super().__init__(*args, **kwargs)
+        self.det_last_sync: dict = {}
+        self._synced = False  # clip_gradients may sync before optimizer.step does
+
+    def _sync(self, optimizer) -> None:
+        if not self._synced:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            scale = grad_scale_exp(self.world_size, consume_global_mean_flag())
+            self.det_last_sync = sync_gradients(params, scale_exp=scale)
+            self._synced = True
+
+    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        set_grad_digits(module, True)
+        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
+            with torch.no_grad():
+                for t in list(module.parameters()) + list(module.buffers()):
+                    dist.broadcast(t.data, src=0)
+        return module
+
+    def no_backward_sync(self, module, enabled: bool):
+        import contextlib
+
+        return contextlib.nullcontext()  # nothing is communicated during backward anyway
+
+    def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
+        self._sync(optimizer)
+        self._synced = False
+        return super().optimizer_step(optimizer, **kwargs)
+
+    def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
+        if float(norm_type) != 2.0:
+            raise ValueError(f"norm_type: det_ddp clips exactly with the 2-norm only, got {norm_type}")
+        self._sync(optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        return torch.tensor(clip_grad_norm_exact_(params, float(max_norm)))
+
+    def all_reduce(self, tensor, group=None, reduce_op="mean"):
+        if isinstance(tensor, torch.Tensor):
+            return exact_reduce(tensor, group=group, reduce_op=str(reduce_op) if reduce_op is not None else "mean")
+        return tensor
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        for name, start_method in (("det_ddp", "popen"), ("det_ddp_spawn", "spawn")):
+            strategy_registry.register(name, cls, description=f"exact world-size invariant DDP ({start_method})",
+                                       start_method=start_method)

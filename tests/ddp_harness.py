@@ -1,0 +1,130 @@
+"""A small training run for the multi-process tests: prints one JSON line per optimizer step.
+
+Launched by tests as `python tests/ddp_harness.py --devices N ...` in a clean subprocess;
+Lightning's own launcher starts the other ranks. Rank 0 writes --out (JSON lines):
+{"step", "loss_hex", "weights_sha256"} after every optimizer step.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import struct
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import lightning as L  # noqa: E402
+
+import lightning_det  # noqa: E402,F401  (registers det_ddp)
+from lightning_det import global_mean  # noqa: E402
+
+
+def weights_digest(module) -> str:
+    h = hashlib.sha256()
+    for name, p in module.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def make_model(kind: str, vocab: int, dim: int, classes: int) -> nn.Module:
+    if kind == "mlp":  # Embedding -> LayerNorm -> Linear -> GELU -> Linear
+        return nn.Sequential(nn.Embedding(vocab, dim), nn.Flatten(), nn.LayerNorm(4 * dim), nn.Linear(4 * dim, 64),
+                             nn.GELU(), nn.Linear(64, classes))
+    if kind == "linear":  # Linear/ReLU only
+        return nn.Sequential(nn.Flatten(), nn.Linear(4 * dim, 64), nn.ReLU(), nn.Linear(64, classes))
+    raise ValueError(kind)
+
+
+class Module(L.LightningModule):
+    def __init__(self, args):
+        super().__init__()
+        self.args = args
+        torch.manual_seed(1234)  # the same initial weights on every rank and world size
+        self.net = make_model(args.model, 50, 8, 5)
+        if args.transform:
+            try:
+                from lightning_det.nn import det_transform
+            except ImportError:  # TEMP until the module work lands
+                from lightning_det.nn import DetLinear
+
+                def det_transform(m, strict=True):
+                    for mod in m.modules():
+                        if isinstance(mod, nn.Linear):
+                            DetLinear.from_linear(mod)
+
+            det_transform(self.net, strict=True)
+
+    def forward(self, x):
+        if self.args.model == "linear":
+            x = torch.nn.functional.one_hot(x, 50)[..., :8].float()
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        if self.args.loss == "global":
+            loss = global_mean(F.cross_entropy(logits, y, reduction="none"))
+        else:
+            loss = F.cross_entropy(logits, y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+class Recorder(L.Callback):
+    def __init__(self, path):
+        self.path = path
+        self.last = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.last:
+            return  # a micro-batch of an accumulation window
+        self.last = trainer.global_step
+        loss = trainer.callback_metrics["train_loss"].float().item()
+        if trainer.global_rank == 0:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": trainer.global_step, "loss_hex": struct.pack("<f", loss).hex(),
+                                    "weights_sha256": weights_digest(pl_module)}) + "\n")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--global-batch", type=int, default=24)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--strategy", default="det_ddp")
+    p.add_argument("--model", default="mlp")
+    p.add_argument("--loss", default="global", choices=["global", "mean"])
+    p.add_argument("--clip", type=float, default=0.0)
+    p.add_argument("--no-transform", dest="transform", action="store_false")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(7)
+    n = args.global_batch * args.steps  # the same data and order for every configuration
+    x = torch.randint(0, 50, (n, 4), generator=g)
+    y = (x.sum(1) % 5)
+    ds = torch.utils.data.TensorDataset(x, y)
+    per_rank = args.global_batch // (args.devices * args.accum)
+    assert per_rank * args.devices * args.accum == args.global_batch, "global batch must divide evenly"
+    dl = torch.utils.data.DataLoader(ds, batch_size=per_rank, shuffle=True)
+    strategy = args.strategy if args.strategy != "ddp" or args.devices > 1 else "auto"
+    trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
+                        accumulate_grad_batches=args.accum, gradient_clip_val=args.clip or None,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[Recorder(args.out)], deterministic=False)
+    trainer.fit(Module(args), dl)
+
+
+if __name__ == "__main__":
+    main()

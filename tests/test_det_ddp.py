@@ -1,0 +1,89 @@
+"""det_ddp on CPU/gloo: world-size, accumulation and clipping invariance, with plain-DDP controls.
+
+Each run is a subprocess (clean environment, timeout, OMP_NUM_THREADS=1) of tests/ddp_harness.py;
+Lightning's launcher starts the other ranks. Rank 0 records, after every optimizer step, the
+SHA-256 of all weights and the logged (sync_dist) loss.
+"""
+import json
+import os
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+HARNESS = Path(__file__).with_name("ddp_harness.py")
+ROOT = HARNESS.parent.parent
+MODEL = os.environ.get("LDET_DDP_TEST_MODEL", "mlp")
+
+
+def clean_env():
+    keep = {"PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "LIGHTNING_DET_BUILD_DIR", "PYTHONPATH", "VIRTUAL_ENV"}
+    env = {k: v for k, v in os.environ.items() if k in keep}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", PL_DISABLE_FORK="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+@lru_cache(maxsize=None)
+def run(devices=1, accum=1, strategy="det_ddp", loss="global", clip=0.0, transform=True, model=MODEL, steps=4,
+        tmp=None):
+    out = Path(os.environ.get("PYTEST_TMP", "/tmp")) / (
+        f"ldet-ddp-{model}-{devices}-{accum}-{strategy}-{loss}-{clip}-{transform}-{steps}-{os.getpid()}.jsonl")
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, str(HARNESS), "--devices", str(devices), "--accum", str(accum), "--strategy", strategy,
+           "--loss", loss, "--clip", str(clip), "--model", model, "--steps", str(steps), "--out", str(out)]
+    if not transform:
+        cmd.append("--no-transform")
+    proc = subprocess.run(cmd, env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"run failed ({' '.join(cmd[2:])}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)), rows
+    return tuple((r["weights_sha256"], r["loss_hex"]) for r in rows)
+
+
+def weights(rows):
+    return [w for w, _ in rows]
+
+
+def losses(rows):
+    return [l for _, l in rows]
+
+
+@pytest.mark.parametrize("devices", [2, 3, 4])
+def test_world_size_invariance(devices):
+    base = run(1)
+    other = run(devices)
+    assert weights(other) == weights(base), f"weights differ at world size {devices}"
+    assert losses(other) == losses(base), f"logged global losses differ at world size {devices}"
+
+
+@pytest.mark.parametrize("devices,accum", [(1, 2), (1, 4), (2, 2)])
+def test_accumulation_invariance(devices, accum):
+    assert weights(run(devices, accum)) == weights(run(1)), f"weights differ with devices={devices} accum={accum}"
+
+
+def test_plain_mean_loss_power_of_two_world_sizes():
+    # F.cross_entropy(reduction="mean") per rank: exact when the scaling is a power of two
+    assert weights(run(2, loss="mean")) == weights(run(1, loss="mean"))
+
+
+@pytest.mark.parametrize("devices,accum", [(2, 1), (1, 2), (2, 2)])
+def test_clipping_invariance(devices, accum):
+    clipped = run(1, clip=0.05)
+    assert weights(clipped) != weights(run(1)), "the clip value must actually clip"
+    assert weights(run(devices, accum, clip=0.05)) == weights(clipped)
+
+
+def test_control_plain_ddp_differs():
+    # The same harness with Lightning's own DDP and no transform: world size changes the bits.
+    one = run(1, strategy="ddp", transform=False, loss="mean")
+    two = run(2, strategy="ddp", transform=False, loss="mean")
+    assert weights(one) != weights(two)
+
+
+def test_strict_mode_raises_on_uncovered_op():
+    with pytest.raises(RuntimeError, match=r"(?s)UnverifiedOpError.*outside lightning_det's verified set.*aten\.mm"):
+        run(1, transform=False, model="linear", steps=1)
