@@ -83,21 +83,26 @@ LDET_HD double exp_neg_sq(double z) {
 }
 
 // erf(z) for 0 <= z < 3: the all-positive series  2/sqrt(pi) e^{-z^2} sum_n (2z^2)^n z / (2n+1)!!
-// (no cancellation; 60 terms reach 1e-15 at z = 3).
+// (no cancellation). Stops once a term is below 2^-56 of the sum: past the peak the terms shrink
+// geometrically, so the tail is negligible (43 terms at z = 2.9, 4 at z = 0.01). The stopping
+// point is a function of z alone, so the result still is.
 LDET_HD double erf_series(double z) {
   const double z2 = 2.0 * z * z;
   double t = z, s = z;
   for (int n = 1; n < 60; ++n) {
     t = t * z2 / double(2 * n + 1);
     s = s + t;
+    if (t < s * 0x1p-56) break;
   }
   return s * exp_neg_sq(z) * kTwoOverSqrtPi;
 }
 
-// erfc(z) for z >= 3: Laplace continued fraction, 60 terms evaluated backwards.
+// erfc(z) for z >= 3: Laplace continued fraction evaluated backwards. Terms needed for full
+// convergence (measured against 200 terms): 30 at z = 3, 25 at 4, 15 at 6; we take 40/28/20.
 LDET_HD double erfc_cf(double z) {
+  const int terms = z < 4.0 ? 40 : (z < 6.0 ? 28 : 20);
   double f = z;
-  for (int n = 60; n >= 1; --n) f = z + (0.5 * double(n)) / f;
+  for (int n = terms; n >= 1; --n) f = z + (0.5 * double(n)) / f;
   return exp_neg_sq(z) * kInvSqrtPi / f;
 }
 
