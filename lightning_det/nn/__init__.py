@@ -1,5 +1,35 @@
-"""Exact modules (no Lightning import): DetLinear, and the digit-gradient hook for det_ddp."""
+"""Exact modules (no Lightning import): DetLinear and friends, det_transform, and the
+digit-gradient hook for det_ddp."""
+from .activation import DetGELU, DetReLU, DetSiLU, DetTanh
+from .embedding import DetEmbedding
+from .functional import det_col_sums, det_gelu, det_relu, det_row_sums, det_silu, det_tanh
 from .grad_digits import add_grad_digits, finalize_grad_digits, grad_digits, set_grad_digits
 from .linear import DetLinear
+from .norm import DetLayerNorm, DetRMSNorm
+from .transform import DET_MODULES, UnsupportedModuleError, det_transform
+from .verified import VERIFIED_MODULES
 
-__all__ = ["DetLinear", "set_grad_digits", "add_grad_digits", "grad_digits", "finalize_grad_digits"]
+__all__ = [
+    "DetLinear",
+    "DetEmbedding",
+    "DetLayerNorm",
+    "DetRMSNorm",
+    "DetGELU",
+    "DetSiLU",
+    "DetTanh",
+    "DetReLU",
+    "det_gelu",
+    "det_silu",
+    "det_tanh",
+    "det_relu",
+    "det_row_sums",
+    "det_col_sums",
+    "det_transform",
+    "UnsupportedModuleError",
+    "DET_MODULES",
+    "VERIFIED_MODULES",
+    "set_grad_digits",
+    "add_grad_digits",
+    "grad_digits",
+    "finalize_grad_digits",
+]

@@ -1,0 +1,126 @@
+// CPU implementations of act / act_backward / dot_rows / dot_cols (schemas:
+// csrc/schema/detmath.cpp). Each element's arithmetic is the scalar detmath.h code, the same
+// whatever its position or the thread split, and the same as the CUDA kernels.
+#include <torch/library.h>
+
+#include <ATen/Parallel.h>
+
+#include "detmath.h"
+#include "detmath_checks.h"
+
+namespace ldet {
+namespace {
+
+at::Tensor act_cpu(const at::Tensor& x, int64_t kind) {
+  check_float_input(x, "x");
+  check_act_kind(kind);
+  const int fmt = out_format(x.scalar_type());
+  const at::Tensor xd = x.contiguous().to(at::kDouble);  // exact widening
+  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  const double* src = xd.data_ptr<double>();
+  void* o = out.data_ptr();
+  const int k = int(kind);
+  at::parallel_for(0, xd.numel(), 2048, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) store_fmt(o, i, round_double_fmt(act_forward(src[i], k), fmt), fmt);
+  });
+  return out;
+}
+
+at::Tensor act_backward_cpu(const at::Tensor& grad, const at::Tensor& x, int64_t kind) {
+  check_float_input(x, "x");
+  check_float_input(grad, "grad");
+  check_act_kind(kind);
+  TORCH_CHECK(grad.sizes() == x.sizes(), "grad: expected shape ", x.sizes(), " like x, got ", grad.sizes());
+  const int fmt = out_format(x.scalar_type());
+  const at::Tensor xd = x.contiguous().to(at::kDouble);
+  const at::Tensor gd = grad.contiguous().to(at::kDouble);
+  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  const double* xs = xd.data_ptr<double>();
+  const double* gs = gd.data_ptr<double>();
+  void* o = out.data_ptr();
+  const int k = int(kind);
+  at::parallel_for(0, xd.numel(), 2048, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) store_fmt(o, i, round_double_fmt(gs[i] * act_derivative(xs[i], k), fmt), fmt);
+  });
+  return out;
+}
+
+// Widened (R, W) operands: exact fp64 copies, b = nullptr meaning ones.
+struct DotOperands {
+  at::Tensor a, b;
+  const double* pa;
+  const double* pb;
+  int64_t rows, cols;
+};
+
+DotOperands dot_operands(const at::Tensor& a, const c10::optional<at::Tensor>& b) {
+  check_dot_args(a, b);
+  DotOperands d;
+  d.a = a.contiguous().to(at::kDouble);
+  d.pa = d.a.data_ptr<double>();
+  d.pb = nullptr;
+  if (b.has_value()) {
+    d.b = b->contiguous().to(at::kDouble);
+    d.pb = d.b.data_ptr<double>();
+  }
+  d.rows = a.size(0);
+  d.cols = a.size(1);
+  return d;
+}
+
+at::Tensor dot_rows_cpu(const at::Tensor& a, const c10::optional<at::Tensor>& b) {
+  const DotOperands d = dot_operands(a, b);
+  at::Tensor out = at::empty({d.rows, LDET_WORDS}, a.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, d.rows, 16, [&](int64_t rb, int64_t re) {
+    for (int64_t r = rb; r < re; ++r) {
+      int64_t* acc = o + r * LDET_WORDS;
+      zero(acc);
+      const double* xa = d.pa + r * d.cols;
+      const double* xb = d.pb ? d.pb + r * d.cols : nullptr;
+      for (int64_t j = 0; j < d.cols; ++j) {
+        add_value(acc, xb ? xa[j] * xb[j] : xa[j]);  // exact product of two narrow floats
+        if (((j + 1) & (LDET_NORM_INTERVAL - 1)) == 0) normalize(acc);
+      }
+      normalize(acc);
+    }
+  });
+  return out;
+}
+
+at::Tensor dot_cols_cpu(const at::Tensor& a, const c10::optional<at::Tensor>& b) {
+  const DotOperands d = dot_operands(a, b);
+  at::Tensor out = at::empty({d.cols, LDET_WORDS}, a.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  // Column blocks, rows streamed in order: each column's accumulator is owned by one thread,
+  // and integer addition makes the row order irrelevant anyway.
+  constexpr int64_t kBlock = 32;
+  const int64_t nblocks = (d.cols + kBlock - 1) / kBlock;
+  at::parallel_for(0, nblocks, 1, [&](int64_t bb, int64_t be) {
+    for (int64_t blk = bb; blk < be; ++blk) {
+      const int64_t c0 = blk * kBlock;
+      const int64_t c1 = std::min(d.cols, c0 + kBlock);
+      for (int64_t c = c0; c < c1; ++c) zero(o + c * LDET_WORDS);
+      for (int64_t r = 0; r < d.rows; ++r) {
+        const double* xa = d.pa + r * d.cols;
+        const double* xb = d.pb ? d.pb + r * d.cols : nullptr;
+        for (int64_t c = c0; c < c1; ++c) add_value(o + c * LDET_WORDS, xb ? xa[c] * xb[c] : xa[c]);
+        if (((r + 1) & (LDET_NORM_INTERVAL - 1)) == 0)
+          for (int64_t c = c0; c < c1; ++c) normalize(o + c * LDET_WORDS);
+      }
+      for (int64_t c = c0; c < c1; ++c) normalize(o + c * LDET_WORDS);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ldet, CPU, m) {
+  m.impl("act", &act_cpu);
+  m.impl("act_backward", &act_backward_cpu);
+  m.impl("dot_rows", &dot_rows_cpu);
+  m.impl("dot_cols", &dot_cols_cpu);
+}
+
+}  // namespace ldet

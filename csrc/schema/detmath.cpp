@@ -1,0 +1,17 @@
+// Schemas of the elementwise activations and the exact row/column dot sums used by the Det
+// norms. Implementations: csrc/cpu/detmath_cpu.cpp, csrc/cuda/detmath_cuda.cu; the math is in
+// csrc/detmath.h, the digit format in csrc/longacc.h.
+#include <torch/library.h>
+
+TORCH_LIBRARY_FRAGMENT(ldet, m) {
+  // y = act(x) elementwise, computed in fp64 by detmath.h and rounded once to x's dtype.
+  // kind: 0 GELU (erf), 1 GELU (tanh approximation), 2 SiLU, 3 tanh (ActKind in detmath.h).
+  m.def("act(Tensor x, int kind) -> Tensor");
+  // grad * act'(x), the product formed in fp64 and rounded once to x's dtype.
+  m.def("act_backward(Tensor grad, Tensor x, int kind) -> Tensor");
+  // a, b: (R, W) float32/bfloat16/float16 (b optional = ones). Canonical LongAcc (R, 19) of
+  // the exact sums sum_j a[r, j] * b[r, j] (every product is exact in fp64).
+  m.def("dot_rows(Tensor a, Tensor? b) -> Tensor");
+  // Same over rows: LongAcc (W, 19) of sum_r a[r, j] * b[r, j].
+  m.def("dot_cols(Tensor a, Tensor? b) -> Tensor");
+}

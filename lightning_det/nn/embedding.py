@@ -1,0 +1,125 @@
+"""DetEmbedding: nn.Embedding whose weight gradient is an exact digit sum (never float atomics)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import det_finalize, det_normalize, to_digits
+from .grad_digits import add_grad_digits, digit_mode
+
+__all__ = ["DetEmbedding"]
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_WORDS = 19
+# Rows of gradient digits converted at a time: bounds the (rows, D, 19) int64 temporary.
+_CHUNK_BYTES = 64 << 20
+# A canonical digit absorbs 2^31 - 2 additions (csrc/longacc.h); normalize well inside that.
+_NORM_ROWS = 1 << 30
+
+
+def _scatter_digits(idx: torch.Tensor, gy2: torch.Tensor, n_out: int) -> torch.Tensor:
+    """Canonical LongAcc (n_out, D, 19): out[idx[i]] += gy2[i], exactly, in any order."""
+    d = gy2.shape[1]
+    out = torch.zeros((n_out, d, _WORDS), dtype=torch.int64, device=gy2.device)
+    step = max(1, _CHUNK_BYTES // max(1, d * _WORDS * 8))
+    since = 0
+    for s in range(0, gy2.shape[0], step):
+        # Integer index_add_ is exact and order-free, so even atomics on CUDA cannot change it.
+        out.index_add_(0, idx[s : s + step], to_digits(gy2[s : s + step]))
+        since += min(step, gy2.shape[0] - s)
+        if since >= _NORM_ROWS:
+            out = det_normalize(out)
+            since = 0
+    return det_normalize(out)
+
+
+class _DetEmbeddingFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, idx, weight, module):
+        ctx.save_for_backward(idx)
+        ctx.module = module
+        return F.embedding(idx, weight, module.padding_idx)  # a gather: exact
+
+    @staticmethod
+    def backward(ctx, gy):
+        (idx,) = ctx.saved_tensors
+        module = ctx.module
+        weight = module.weight
+        if not ctx.needs_input_grad[1]:
+            return None, None, None
+        idx1 = idx.reshape(-1)
+        gy2 = gy.reshape(idx1.shape[0], weight.shape[1])
+        if gy2.dtype not in _FLOATS:
+            gy2 = gy2.float()
+        out_dtype = weight.dtype if weight.dtype in _FLOATS else torch.float32
+        pad = module.padding_idx
+        if digit_mode(module):
+            acc = _scatter_digits(idx1, gy2, weight.shape[0])
+            if pad is not None:
+                acc[pad] = 0  # PyTorch semantics: the padding row gets no gradient
+            add_grad_digits(weight, acc)
+            return None, None, None
+        # Only the rows that occur: a (V, D, 19) temporary would be 152x the weight's size.
+        uniq, inv = torch.unique(idx1, return_inverse=True)
+        rows = det_finalize(_scatter_digits(inv, gy2, uniq.shape[0]), out_dtype)
+        gw = torch.zeros(weight.shape, dtype=out_dtype, device=weight.device)
+        gw[uniq] = rows
+        if pad is not None:
+            gw[pad] = 0
+        return None, gw, None
+
+
+class DetEmbedding(nn.Embedding):
+    """``nn.Embedding`` whose weight gradient is an exact sum over all occurrences, rounded once.
+
+    Args: as ``nn.Embedding`` (same parameter and ``state_dict`` key). ``padding_idx`` is
+    supported (that row gets no gradient). ``max_norm``, ``scale_grad_by_freq`` and ``sparse``
+    are rejected: they would renormalize the weight in place or change the gradient's form.
+
+    Shapes: input (...) int64/int32 indices; output (..., embedding_dim) of the weight's dtype
+    (forward is a gather, exact). Backward: dweight[v] = exact sum of the output gradients of
+    every position holding v, rounded once to the weight's dtype (or left as digits in digit
+    mode, :mod:`lightning_det.nn.grad_digits`). Independent of batch order, split and device.
+    """
+
+    supports_grad_digits = True
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding) -> "DetEmbedding":
+        """Turns an ``nn.Embedding`` into a DetEmbedding in place, keeping its Parameter."""
+        if not isinstance(emb, nn.Embedding):
+            raise TypeError(f"emb: expected an nn.Embedding, got {type(emb).__name__}")
+        _check_options(emb)
+        emb.__class__ = cls
+        return emb
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _check_options(self)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        _check_options(self)
+        if input.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"input: expected int64 or int32 indices, got {input.dtype}")
+        return _DetEmbeddingFn.apply(input, self.weight, self)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", exact=True"
+
+
+def _check_options(emb: nn.Embedding) -> None:
+    bad = []
+    if emb.max_norm is not None:
+        bad.append(f"max_norm={emb.max_norm}")
+    if emb.scale_grad_by_freq:
+        bad.append("scale_grad_by_freq=True")
+    if emb.sparse:
+        bad.append("sparse=True")
+    if bad:
+        raise ValueError(
+            f"DetEmbedding: {', '.join(bad)} is not supported (max_norm renormalizes the weight in "
+            "place, scale_grad_by_freq and sparse change the gradient's form); construct the "
+            "embedding without it, or keep this module out of det_transform (filter_fn) and accept "
+            "an unverified run"
+        )

@@ -1,0 +1,38 @@
+"""The verified set of modules, as data: what det_transform swaps in, and what was checked where.
+
+``invariances`` name rows of the contract table in DESIGN.md section 1 that the tests
+(tests/test_det_modules.py) assert for the replacement. ``verified_on`` lists the devices the
+tests have passed on; CUDA entries are added only after the GPU run (benchmarks/results/).
+"""
+from __future__ import annotations
+
+__all__ = ["VERIFIED_MODULES"]
+
+_COMMON = ["run-to-run", "batch (row count)", "position (odd widths 33, 123)"]
+
+VERIFIED_MODULES: dict[str, dict] = {
+    "Linear": {
+        "replacement": "DetLinear",
+        "invariances": _COMMON + ["tiling / kernel", "K-sharding", "accumulation (digit mode)", "device"],
+        "verified_on": ["cpu", "cuda (H100)"],
+    },
+    "Embedding": {
+        "replacement": "DetEmbedding",
+        "invariances": _COMMON + ["batch order / split", "accumulation (digit mode)"],
+        "verified_on": ["cpu"],
+    },
+    "LayerNorm": {
+        "replacement": "DetLayerNorm",
+        "invariances": _COMMON + ["accumulation (digit mode)"],
+        "verified_on": ["cpu"],
+    },
+    "RMSNorm": {
+        "replacement": "DetRMSNorm",
+        "invariances": _COMMON + ["accumulation (digit mode)"],
+        "verified_on": ["cpu"],
+    },
+    "GELU": {"replacement": "DetGELU", "invariances": list(_COMMON), "verified_on": ["cpu"]},
+    "SiLU": {"replacement": "DetSiLU", "invariances": list(_COMMON), "verified_on": ["cpu"]},
+    "Tanh": {"replacement": "DetTanh", "invariances": list(_COMMON), "verified_on": ["cpu"]},
+    "ReLU": {"replacement": "DetReLU", "invariances": list(_COMMON), "verified_on": ["cpu"]},
+}
