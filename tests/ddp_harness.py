@@ -49,15 +49,7 @@ class Module(L.LightningModule):
         torch.manual_seed(1234)  # the same initial weights on every rank and world size
         self.net = make_model(args.model, 50, 8, 5)
         if args.transform:
-            try:
-                from lightning_det.nn import det_transform
-            except ImportError:  # TEMP until the module work lands
-                from lightning_det.nn import DetLinear
-
-                def det_transform(m, strict=True):
-                    for mod in m.modules():
-                        if isinstance(mod, nn.Linear):
-                            DetLinear.from_linear(mod)
+            from lightning_det.nn import det_transform
 
             det_transform(self.net, strict=True)
 
@@ -107,6 +99,7 @@ def main():
     p.add_argument("--loss", default="global", choices=["global", "mean"])
     p.add_argument("--clip", type=float, default=0.0)
     p.add_argument("--no-transform", dest="transform", action="store_false")
+    p.add_argument("--non-strict", dest="strict", action="store_false")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -119,6 +112,10 @@ def main():
     assert per_rank * args.devices * args.accum == args.global_batch, "global batch must divide evenly"
     dl = torch.utils.data.DataLoader(ds, batch_size=per_rank, shuffle=True)
     strategy = args.strategy if args.strategy != "ddp" or args.devices > 1 else "auto"
+    if args.strategy == "det_ddp":
+        from lightning_det.strategy import DeterministicStrategy
+
+        strategy = DeterministicStrategy(strict=args.strict)
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
                         accumulate_grad_batches=args.accum, gradient_clip_val=args.clip or None,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -28,7 +28,7 @@ def clean_env():
 
 @lru_cache(maxsize=None)
 def run(devices=1, accum=1, strategy="det_ddp", loss="global", clip=0.0, transform=True, model=MODEL, steps=4,
-        tmp=None):
+        strict=True):
     out = Path(os.environ.get("PYTEST_TMP", "/tmp")) / (
         f"ldet-ddp-{model}-{devices}-{accum}-{strategy}-{loss}-{clip}-{transform}-{steps}-{os.getpid()}.jsonl")
     out.unlink(missing_ok=True)
@@ -36,6 +36,8 @@ def run(devices=1, accum=1, strategy="det_ddp", loss="global", clip=0.0, transfo
            "--loss", loss, "--clip", str(clip), "--model", model, "--steps", str(steps), "--out", str(out)]
     if not transform:
         cmd.append("--no-transform")
+    if not strict:
+        cmd.append("--non-strict")
     proc = subprocess.run(cmd, env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"run failed ({' '.join(cmd[2:])}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -66,8 +68,10 @@ def test_accumulation_invariance(devices, accum):
 
 
 def test_plain_mean_loss_power_of_two_world_sizes():
-    # F.cross_entropy(reduction="mean") per rank: exact when the scaling is a power of two
-    assert weights(run(2, loss="mean")) == weights(run(1, loss="mean"))
+    # F.cross_entropy(reduction="mean") per rank: the gradients are exact when the scaling is a
+    # power of two, so the weights match. Its forward value is a float batch reduction, which
+    # the strict audit rejects (the logged loss is not invariant): run non-strict.
+    assert weights(run(2, loss="mean", strict=False)) == weights(run(1, loss="mean", strict=False))
 
 
 @pytest.mark.parametrize("devices,accum", [(2, 1), (1, 2), (2, 2)])

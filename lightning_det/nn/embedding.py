@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import det_finalize, det_normalize, to_digits
+from ..ops.trust import trusted_fn
 from .grad_digits import add_grad_digits, digit_mode
 
 __all__ = ["DetEmbedding"]
@@ -36,12 +37,14 @@ def _scatter_digits(idx: torch.Tensor, gy2: torch.Tensor, n_out: int) -> torch.T
 
 class _DetEmbeddingFn(torch.autograd.Function):
     @staticmethod
+    @trusted_fn
     def forward(ctx, idx, weight, module):
         ctx.save_for_backward(idx)
         ctx.module = module
         return F.embedding(idx, weight, module.padding_idx)  # a gather: exact
 
     @staticmethod
+    @trusted_fn
     def backward(ctx, gy):
         (idx,) = ctx.saved_tensors
         module = ctx.module

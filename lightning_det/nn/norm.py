@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..ops import det_finalize
+from ..ops.trust import trusted_fn
 from .functional import det_col_sums, det_row_sums
 from .grad_digits import add_grad_digits, digit_mode
 
@@ -56,6 +57,7 @@ def _grad_or_digits(module, param, acc, digits: bool):
 
 class _DetNormFn(torch.autograd.Function):
     @staticmethod
+    @trusted_fn
     def forward(ctx, x, weight, bias, module, width, eps, rms):
         x2 = x.reshape(-1, width).float()
         wt = torch.full((x2.shape[0],), float(width), dtype=torch.float32, device=x.device)
@@ -72,6 +74,7 @@ class _DetNormFn(torch.autograd.Function):
         return y.to(x.dtype).reshape(x.shape)
 
     @staticmethod
+    @trusted_fn
     def backward(ctx, gy):
         xhat, rstd, weight, bias = ctx.saved_tensors
         width = ctx.width

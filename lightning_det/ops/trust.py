@@ -25,3 +25,15 @@ def trusted():
 
 def in_trusted() -> bool:
     return _TRUSTED.get() > 0
+
+
+def trusted_fn(fn):
+    """Decorator form of :func:`trusted` (for autograd.Function forward/backward)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with trusted():
+            return fn(*args, **kwargs)
+
+    return wrapper

@@ -1,0 +1,62 @@
+"""The verified op set: row-wise ops really are row-count invariant, and the audit catches the rest."""
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_bitwise
+from torch import nn
+
+from lightning_det.nn import DetLinear
+from lightning_det.parallel import OpAudit, UnverifiedOpError, VERIFIED_OPS
+from lightning_det.parallel.audit import ROWWISE_OPS
+
+
+@pytest.mark.parametrize("width", [5, 33, 123, 384])
+def test_log_softmax_and_per_sample_nll_are_row_invariant(width):
+    # The row-wise ops in ROWWISE_OPS: row i's bytes must not depend on the other rows.
+    g = torch.Generator().manual_seed(width)
+    x = (torch.randn(70, width, generator=g) * 4).requires_grad_()
+    y = torch.randint(0, width, (70,), generator=g)
+    gy = torch.randn(70, generator=g)
+    loss = F.cross_entropy(x, y, reduction="none")
+    loss.backward(gy)
+    full_loss, full_grad = loss.detach(), x.grad.clone()
+    for m in (1, 2, 7, 31, 64):
+        xm = x.detach()[:m].clone().requires_grad_()
+        lm = F.cross_entropy(xm, y[:m], reduction="none")
+        lm.backward(gy[:m])
+        assert_bitwise(lm.detach(), full_loss[:m], f"loss m={m}")
+        assert_bitwise(xm.grad, full_grad[:m], f"grad m={m}")
+
+
+def test_audit_records_and_flags_unverified_ops():
+    model = nn.Sequential(DetLinear(8, 4), nn.Linear(4, 3))
+    x = torch.randn(5, 8)
+    with OpAudit(model) as audit:
+        model(x).sum().backward()
+    bad = dict(audit.violations())
+    assert "aten.addmm" in bad and bad["aten.addmm"] == "1", bad  # nn.Linear at index 1
+    assert "aten.sum" in bad
+    with pytest.raises(UnverifiedOpError, match=r"aten\.addmm  \(in module '1'\)"):
+        audit.check(strict=True)
+    with pytest.warns(UserWarning, match="outside lightning_det's verified set"):
+        assert audit.check(strict=False) is False
+
+
+def test_audit_accepts_det_modules_and_per_sample_losses():
+    from lightning_det import global_mean
+    from lightning_det.nn import det_transform
+
+    model = det_transform(nn.Sequential(nn.Embedding(10, 6), nn.LayerNorm(6), nn.GELU(), nn.Linear(6, 4)))
+    idx, tgt = torch.randint(0, 10, (7,)), torch.randint(0, 4, (7,))
+    with OpAudit(model) as audit:
+        global_mean(F.cross_entropy(model(idx), tgt, reduction="none")).backward()
+    assert audit.violations() == [] and audit.check(strict=True)
+    # the mean-reduced loss is a batch reduction: flagged
+    with OpAudit(model) as audit:
+        F.cross_entropy(model(idx), tgt).backward()
+    assert any(op.startswith("aten.nll_loss") for op, _ in audit.violations())
+
+
+def test_verified_set_is_data():
+    assert all(k.startswith("aten.") for k in VERIFIED_OPS) and "aten.mm" not in VERIFIED_OPS
+    assert "aten.sum" not in VERIFIED_OPS and "aten._log_softmax" in ROWWISE_OPS
