@@ -1,0 +1,4 @@
+"""Data-order tools: a world-size invariant, resumable sampler."""
+from .sampler import DeterministicSampler
+
+__all__ = ["DeterministicSampler"]
