@@ -1,0 +1,139 @@
+"""A small deterministic Lightning run for the digest/resume tests (plain Lightning, CPU).
+
+Usable in-process (``run(...)``) or as a script in a fresh process (resume, torchrun).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+from torch import nn
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
+from lightning_det.callbacks import DigestCallback, ExactResumeCallback
+from lightning_det.data import DeterministicSampler
+
+N_SAMPLES, IN, HID, OUT = 64, 16, 32, 4
+
+
+class PerturbableLinear(nn.Linear):
+    """Test-only: a Linear whose output can be nudged by one ULP in its first element."""
+
+    perturb = False
+
+    def forward(self, x):
+        y = super().forward(x)
+        if self.perturb:
+            y = y.clone()
+            flat = y.view(-1)
+            flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf")))
+        return y
+
+
+class MLP(pl.LightningModule):
+    def __init__(self, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.lr = lr
+        self.net = nn.Sequential(PerturbableLinear(IN, HID), nn.ReLU(), nn.Dropout(0.1),
+                                 PerturbableLinear(HID, HID), nn.Tanh(), PerturbableLinear(HID, OUT))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+
+
+class PerturbAt(Callback):
+    """Test-only: nudge module ``name``'s output by one ULP during optimizer step ``step``."""
+
+    def __init__(self, name: str, step: int) -> None:
+        self.name, self.step = name, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        pl_module.get_submodule(self.name).perturb = trainer.global_step + 1 == self.step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        pl_module.get_submodule(self.name).perturb = False
+
+
+class CorruptRank(Callback):
+    """Test-only: silently change one weight on one rank before step ``step``."""
+
+    def __init__(self, rank: int, name: str, step: int) -> None:
+        self.rank, self.name, self.step = rank, name, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == self.rank and trainer.global_step + 1 == self.step:
+            with torch.no_grad():
+                pl_module.get_parameter(self.name).view(-1)[0] += 1.0
+
+
+def dataset(seed: int = 1234):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N_SAMPLES, IN, generator=g)
+    y = torch.randn(N_SAMPLES, OUT, generator=g)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def run(dirpath: str, *, max_steps: int, batch_size: int = 8, accumulate: int = 1, ckpt_out: str | None = None,
+        ckpt_in: str | None = None, perturb: tuple[str, int] | None = None, capture: tuple[int, int] | None = None,
+        replica_check: int = 0, corrupt: tuple[int, str, int] | None = None, digest: bool = True,
+        devices: int = 1, strategy: str = "auto", seed: int = 0) -> pl.Trainer:
+    torch.use_deterministic_algorithms(True)
+    pl.seed_everything(seed, verbose=False)
+    model = MLP()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    ds = dataset()
+    sampler = DeterministicSampler(len(ds), batch_size, num_replicas=world, rank=rank, shuffle=True, seed=seed)
+    loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, sampler=sampler)
+    cbs: list = [ExactResumeCallback()]
+    if perturb:
+        cbs.append(PerturbAt(*perturb))
+    if corrupt:
+        cbs.append(CorruptRank(*corrupt))
+    if digest:
+        cbs.append(DigestCallback(dirpath, check_replicas_every_n_steps=replica_check, capture_steps=capture))
+    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=devices, strategy=strategy,
+                         accumulate_grad_batches=accumulate, callbacks=cbs, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                         deterministic=True, default_root_dir=dirpath)
+    trainer.fit(model, loader, ckpt_path=ckpt_in)
+    if ckpt_out:
+        trainer.save_checkpoint(ckpt_out)
+    return trainer
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("dirpath")
+    p.add_argument("--max-steps", type=int, required=True)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--ckpt-out")
+    p.add_argument("--ckpt-in")
+    p.add_argument("--replica-check", type=int, default=0)
+    p.add_argument("--corrupt", help="RANK:PARAM:STEP")
+    p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--strategy", default="auto")
+    a = p.parse_args(argv)
+    corrupt = None
+    if a.corrupt:
+        r, n, s = a.corrupt.split(":")
+        corrupt = (int(r), n, int(s))
+    run(a.dirpath, max_steps=a.max_steps, batch_size=a.batch_size, ckpt_out=a.ckpt_out, ckpt_in=a.ckpt_in,
+        replica_check=a.replica_check, corrupt=corrupt, devices=a.devices, strategy=a.strategy)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    main()
