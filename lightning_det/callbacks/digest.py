@@ -263,6 +263,8 @@ class DigestCallback(Callback):
         if first <= step <= last:
             if not cap.attached:
                 cap.attach(pl_module)
+            if step != cap.step:
+                cap.seq = 0  # numbered per step, so a re-captured step (resume) is recognisable
             cap.step, cap.micro = step, batch_idx
         elif cap.attached:
             cap.detach()

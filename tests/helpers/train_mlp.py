@@ -29,9 +29,12 @@ class PerturbableLinear(nn.Linear):
     def forward(self, x):
         y = super().forward(x)
         if self.perturb:
-            y = y.clone()
-            flat = y.view(-1)
-            flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf")))
+            with torch.no_grad():
+                mask = torch.zeros(y.shape, dtype=torch.bool)
+                mask.view(-1)[0] = True
+                bumped = torch.nextafter(y.detach(), torch.full_like(y, float("inf")))
+            # Out of place, and only the first element: every other value keeps its exact bits.
+            y = torch.where(mask, y + (bumped - y.detach()), y)
         return y
 
 
