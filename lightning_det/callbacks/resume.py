@@ -121,8 +121,10 @@ class ExactResumeCallback(ManifestCallback):
     the batches the training loop actually consumed. On load it verifies the manifest and the
     profile, restores the sampler positions before the first batch is drawn, and restores the RNG
     states at the point the saved run would have continued from: at the next epoch start when
-    the checkpoint ended an epoch (before the DataLoader iterator draws its base seed, as it did
-    in the uninterrupted run), otherwise just before the next training batch.
+    just before the next training batch (when that batch opens an epoch, it then replays the base-seed
+    draw a generator-less DataLoader made from the global RNG in the uninterrupted run). A
+    checkpoint saved with ``trainer.save_checkpoint`` after ``fit`` stopped mid-epoch at
+    ``max_steps`` resumes mid-epoch too (Lightning alone would skip the rest of that epoch).
 
     Resuming at a different world size is accepted when every saved rank had the same RNG state
     (no per-rank randomness) and the global batch is unchanged; otherwise it is rejected with
@@ -169,6 +171,7 @@ class ExactResumeCallback(ManifestCallback):
     # -- load ------------------------------------------------------------------------------
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         super().on_load_checkpoint(trainer, pl_module, checkpoint)
+        _resume_mid_epoch_fixup(checkpoint)
         self._saved_optim_dtypes = [
             {k: [str(v.dtype) for v in st.values() if isinstance(v, torch.Tensor)] for k, st in o.get("state", {}).items()}
             for o in checkpoint.get("optimizer_states", [])
@@ -216,21 +219,71 @@ class ExactResumeCallback(ManifestCallback):
                             "the resumed run would not continue bitwise."
                         )
             self._saved_optim_dtypes = None
-        if trainer.train_dataloader is not None and self._pending_rng is not None:
-            for dl in getattr(trainer.train_dataloader, "flattened", [trainer.train_dataloader]):
+        if self._pending_rng is not None:
+            for dl in _train_loaders(trainer):
                 if getattr(dl, "generator", "absent") is None and not isinstance(getattr(dl, "sampler", None), DeterministicSampler):
                     warnings.warn("lightning_det: a training DataLoader without a DeterministicSampler draws its order "
                                   "from the global RNG; the data position is not restored for it.", RuntimeWarning,
                                   stacklevel=2)
 
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
-        # Lightning calls this on resume only when the checkpoint ended an epoch.
-        self._restore_rng()
-
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._restore_rng()
+        if self._pending_rng is None:
+            return
+        # Restore just before the first resumed batch, after whatever Lightning did on restart.
+        _set_rng_state(self._pending_rng)
+        self._pending_rng = None
+        samplers = find_deterministic_samplers(trainer)
+        opens_epoch = samplers[0].consumed_chunks == 0 if samplers else batch_idx == 0
+        if opens_epoch:
+            # The uninterrupted run created a fresh DataLoader iterator between the checkpoint
+            # and this batch, and a DataLoader without its own generator draws one int64 base seed
+            # from the global torch RNG when it does (torch.utils.data._BaseDataLoaderIter).
+            # The resumed run's iterator drew before the restore, so replay that draw here.
+            for dl in _train_loaders(trainer):
+                if getattr(dl, "generator", "absent") is None:
+                    torch.empty((), dtype=torch.int64).random_()
 
-    def _restore_rng(self) -> None:
-        if self._pending_rng is not None:
-            _set_rng_state(self._pending_rng)
-            self._pending_rng = None
+
+def _train_loaders(trainer) -> list:
+    dls = trainer.train_dataloader
+    if dls is None:
+        return []
+    flat = getattr(dls, "flattened", None)
+    if flat is not None:
+        return list(flat)
+    if isinstance(dls, dict):
+        return list(dls.values())
+    return list(dls) if isinstance(dls, (list, tuple)) else [dls]
+
+
+def _resume_mid_epoch_fixup(checkpoint: dict) -> bool:
+    """Make Lightning restart mid-epoch from a checkpoint written after ``fit`` stopped mid-epoch.
+
+    When ``max_steps`` (or ``max_time``) ends ``fit`` in the middle of an epoch, Lightning marks
+    the epoch completed; a checkpoint saved afterwards (``trainer.save_checkpoint``) makes the
+    resumed run start the next epoch and skip the rest of this one. The batch progress still
+    says the epoch was not finished, so we roll the epoch counters back one step, which is the
+    state an in-loop checkpoint at the same batch would carry. Returns True if it did.
+    """
+    fl = (checkpoint.get("loops") or {}).get("fit_loop")
+    if not fl:
+        return False
+    ep, bp = fl.get("epoch_progress"), fl.get("epoch_loop.batch_progress")
+    if not ep or not bp or bp["current"]["completed"] == 0:
+        return False
+    t = ep["total"]
+    if not (t["ready"] == t["started"] == t["processed"] == t["completed"]) or t["completed"] == 0:
+        return False
+    if bp.get("is_last_batch"):
+        # The epoch really ended, but Lightning would carry its batch count into the next epoch
+        # (batch_idx would restart at the old epoch's length). Start the next epoch clean.
+        for key in bp["current"]:
+            bp["current"][key] = 0
+        bp["is_last_batch"] = False
+        return True
+    for part in ("total", "current"):
+        ep[part]["processed"] -= 1
+        ep[part]["completed"] -= 1
+    if "epoch" in checkpoint:
+        checkpoint["epoch"] = ep["total"]["completed"]
+    return True

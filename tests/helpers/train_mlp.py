@@ -9,8 +9,11 @@ import json
 import os
 import sys
 
-import torch
-from torch import nn
+# Run as a script in a fresh process: make the checkout importable without an install.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -138,5 +141,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     main()
