@@ -94,7 +94,7 @@ def dataset(seed: int = 1234):
 def run(dirpath: str, *, max_steps: int, batch_size: int = 8, accumulate: int = 1, ckpt_out: str | None = None,
         ckpt_in: str | None = None, perturb: tuple[str, int] | None = None, capture: tuple[int, int] | None = None,
         replica_check: int = 0, corrupt: tuple[int, str, int] | None = None, digest: bool = True,
-        devices: int = 1, strategy: str = "auto", seed: int = 0) -> pl.Trainer:
+        devices: int = 1, strategy: str = "auto", seed: int = 0, ckpt_every: int = 0) -> pl.Trainer:
     torch.use_deterministic_algorithms(True)
     pl.seed_everything(seed, verbose=False)
     model = MLP()
@@ -108,10 +108,15 @@ def run(dirpath: str, *, max_steps: int, batch_size: int = 8, accumulate: int = 
         cbs.append(PerturbAt(*perturb))
     if corrupt:
         cbs.append(CorruptRank(*corrupt))
+    if ckpt_every:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        cbs.append(ModelCheckpoint(dirpath=os.path.join(dirpath, "ckpts"), filename="s{step}", save_top_k=-1,
+                                   every_n_train_steps=ckpt_every, auto_insert_metric_name=False))
     if digest:
         cbs.append(DigestCallback(dirpath, check_replicas_every_n_steps=replica_check, capture_steps=capture))
     trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=devices, strategy=strategy,
-                         accumulate_grad_batches=accumulate, callbacks=cbs, logger=False, enable_checkpointing=False,
+                         accumulate_grad_batches=accumulate, callbacks=cbs, logger=False, enable_checkpointing=bool(ckpt_every),
                          enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                          deterministic=True, default_root_dir=dirpath)
     trainer.fit(model, loader, ckpt_path=ckpt_in)
