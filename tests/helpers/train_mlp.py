@@ -42,10 +42,13 @@ class PerturbableLinear(nn.Linear):
 
 
 class MLP(pl.LightningModule):
-    def __init__(self, lr: float = 1e-2) -> None:
+    """Dropout exercises the RNG restore; world-size comparisons turn it off (per-rank masks
+    cannot match a single process's mask). ``optim="adamwsr"`` uses lightning_det's AdamWSR."""
+
+    def __init__(self, lr: float = 1e-2, dropout: bool = True, optim: str = "adamw") -> None:
         super().__init__()
-        self.lr = lr
-        self.net = nn.Sequential(PerturbableLinear(IN, HID), nn.ReLU(), nn.Dropout(0.1),
+        self.lr, self.optim = lr, optim
+        self.net = nn.Sequential(PerturbableLinear(IN, HID), nn.ReLU(), nn.Dropout(0.1) if dropout else nn.Identity(),
                                  PerturbableLinear(HID, HID), nn.Tanh(), PerturbableLinear(HID, OUT))
 
     def forward(self, x):
@@ -56,6 +59,10 @@ class MLP(pl.LightningModule):
         return nn.functional.mse_loss(self(x), y)
 
     def configure_optimizers(self):
+        if self.optim == "adamwsr":
+            from lightning_det.optim import AdamWSR
+
+            return AdamWSR(self.parameters(), lr=self.lr, weight_decay=0.01, seed=0)
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
 
 
@@ -94,10 +101,16 @@ def dataset(seed: int = 1234):
 def run(dirpath: str, *, max_steps: int, batch_size: int = 8, accumulate: int = 1, ckpt_out: str | None = None,
         ckpt_in: str | None = None, perturb: tuple[str, int] | None = None, capture: tuple[int, int] | None = None,
         replica_check: int = 0, corrupt: tuple[int, str, int] | None = None, digest: bool = True,
-        devices: int = 1, strategy: str = "auto", seed: int = 0, ckpt_every: int = 0) -> pl.Trainer:
+        devices: int = 1, strategy: str = "auto", seed: int = 0, ckpt_every: int = 0, dropout: bool = True,
+        optim: str = "adamw", det: bool = False) -> pl.Trainer:
     torch.use_deterministic_algorithms(True)
     pl.seed_everything(seed, verbose=False)
-    model = MLP()
+    model = MLP(dropout=dropout, optim=optim)
+    if det:
+        # The exact layers (lead's issue): swap nn.Linear for DetLinear in place.
+        from lightning_det.nn import det_transform
+
+        det_transform(model)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     ds = dataset()
@@ -136,13 +149,17 @@ def main(argv=None) -> None:
     p.add_argument("--corrupt", help="RANK:PARAM:STEP")
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--strategy", default="auto")
+    p.add_argument("--no-dropout", action="store_true")
+    p.add_argument("--optim", default="adamw", choices=["adamw", "adamwsr"])
+    p.add_argument("--det", action="store_true", help="det_transform the model (DetLinear)")
     a = p.parse_args(argv)
     corrupt = None
     if a.corrupt:
         r, n, s = a.corrupt.split(":")
         corrupt = (int(r), n, int(s))
     run(a.dirpath, max_steps=a.max_steps, batch_size=a.batch_size, ckpt_out=a.ckpt_out, ckpt_in=a.ckpt_in,
-        replica_check=a.replica_check, corrupt=corrupt, devices=a.devices, strategy=a.strategy)
+        replica_check=a.replica_check, corrupt=corrupt, devices=a.devices, strategy=a.strategy,
+        dropout=not a.no_dropout, optim=a.optim, det=a.det)
 
 
 if __name__ == "__main__":
