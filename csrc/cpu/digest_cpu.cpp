@@ -30,14 +30,15 @@ at::Tensor digest_chunks_cpu(const at::Tensor& self) {
       const int64_t nwords = (nbytes + 7) / 8;
       if (w1 > nwords) w1 = nwords;
       uint64_t acc = 0;
-      for (int64_t i = w0; i < w1; ++i) {
+      // Branch-free body over whole words (vectorizable), then the zero-padded partial word.
+      const int64_t wfull = w1 < nfull_words ? w1 : nfull_words;
+      for (int64_t i = w0; i < wfull; ++i) {
         uint64_t w;
-        if (i < nfull_words) {
-          std::memcpy(&w, p + i * 8, 8);  // alignment-safe; x86/ARM hosts are little-endian
-        } else {
-          w = ldet::load_word_bytes(p, nbytes, i);
-        }
+        std::memcpy(&w, p + i * 8, 8);  // alignment-safe; x86/ARM hosts are little-endian
         acc += ldet::hash_word(w, static_cast<uint64_t>(i));
+      }
+      for (int64_t i = wfull > w0 ? wfull : w0; i < w1; ++i) {
+        acc += ldet::hash_word(ldet::load_word_bytes(p, nbytes, i), static_cast<uint64_t>(i));
       }
       o[c] = static_cast<int64_t>(acc);
     }
