@@ -86,6 +86,12 @@ def test_diff_without_capture_still_finds_step(runs, tmp_path, capsys):
     assert f"diverged at step {K}" in out and "capture" in out
 
 
+def test_deferred_writing_gives_the_same_lines(runs, tmp_path):
+    """The CUDA default (lines written one step late, digests copied asynchronously), on CPU."""
+    run(str(tmp_path), max_steps=6, write_lag=2)
+    assert step_lines(tmp_path) == step_lines(runs["plain"])
+
+
 def test_gradient_accumulation_one_line_per_optimizer_step(tmp_path):
     run(str(tmp_path), max_steps=3, batch_size=4, accumulate=2)
     lines = [json.loads(x) for x in step_lines(tmp_path)]

@@ -27,7 +27,7 @@ import torch
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from ..digest import FORMAT, digest_many, hash_object, tensor_digest
+from ..digest import FORMAT, digest_many, digest_many_async, hash_object, tensor_digest
 from ..profile import PROFILE
 
 __all__ = ["DigestCallback", "ReplicaMismatchError", "rng_digests", "CHAIN_SEED"]
@@ -38,11 +38,6 @@ _INCLUDE = ("params", "grads", "optim", "rng")
 
 class ReplicaMismatchError(RuntimeError):
     """Raised (on every rank) when replicas that must be equal hold different parameters."""
-
-
-def _tensor_bytes_hex(t: torch.Tensor) -> str:
-    t = t.detach().reshape(-1).cpu().contiguous()
-    return t.view(torch.uint8).numpy().tobytes().hex()
 
 
 def rng_digests() -> dict[str, Any]:
@@ -59,14 +54,33 @@ def rng_digests() -> dict[str, Any]:
     return out
 
 
-def _loss_record(loss) -> dict | None:
-    if isinstance(loss, dict):
-        loss = loss.get("loss")
-    if not isinstance(loss, torch.Tensor):
-        return None
-    value = loss.detach()
-    return {"hex": _tensor_bytes_hex(value), "value": float(value.float().item()) if value.numel() == 1 else None,
-            "dtype": str(value.dtype).replace("torch.", "")}
+class _PendingLoss:
+    """A loss value on its way to the host without stalling the device (pinned, non-blocking)."""
+
+    def __init__(self, loss) -> None:
+        if isinstance(loss, dict):
+            loss = loss.get("loss")
+        self.host = self.event = None
+        if not isinstance(loss, torch.Tensor):
+            return
+        value = loss.detach().reshape(-1)
+        if value.device.type == "cuda":
+            self.host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            self.host.copy_(value, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = value.clone()
+
+    def record(self) -> dict | None:
+        if self.host is None:
+            return None
+        if self.event is not None:
+            self.event.synchronize()
+        v = self.host
+        return {"hex": v.contiguous().view(torch.uint8).numpy().tobytes().hex(),
+                "value": float(v.float().item()) if v.numel() == 1 else None,
+                "dtype": str(v.dtype).replace("torch.", "")}
 
 
 def _flatten_tensors(obj) -> list[torch.Tensor]:
@@ -168,6 +182,10 @@ class DigestCallback(Callback):
         capture_steps: ``(first, last)`` optimizer steps (inclusive) during which every module's
             forward and backward is captured for op-level localization (``lightning-det diff``).
         capture_backward: also capture backward (full backward hooks).
+        write_lag: how many steps a line may wait before it is written. Default: 0 on CPU, 1 on
+            CUDA, where the digests travel to the host asynchronously and step N's line is
+            written when step N+1 ends, so the GPU never waits for the host. Pending lines are
+            always written before a checkpoint is saved, at the end of training and on errors.
 
     Gradients are digested in a post-step hook of the optimizer: at that point ``.grad`` holds
     exactly what the optimizer read (Lightning unscales and clips before ``step``, and zeroes
@@ -180,7 +198,8 @@ class DigestCallback(Callback):
 
     def __init__(self, dirpath: str | os.PathLike, every_n_steps: int = 1, include: Iterable[str] = _INCLUDE, *,
                  check_replicas_every_n_steps: int = 0, on_replica_mismatch: str = "warn",
-                 capture_steps: tuple[int, int] | None = None, capture_backward: bool = True) -> None:
+                 capture_steps: tuple[int, int] | None = None, capture_backward: bool = True,
+                 write_lag: int | None = None) -> None:
         super().__init__()
         include = tuple(include)
         bad = [i for i in include if i not in _INCLUDE]
@@ -202,6 +221,11 @@ class DigestCallback(Callback):
         self.on_replica_mismatch = on_replica_mismatch
         self.capture_steps = capture_steps
         self.capture_backward = capture_backward
+        if write_lag is not None and write_lag < 0:
+            raise ValueError(f"DigestCallback: write_lag must be >= 0, got {write_lag}")
+        self.write_lag = write_lag
+        self._queue: list[dict] = []
+        self._lag = 0
         self._chain = hashlib.sha256(f"{CHAIN_SEED}|{PROFILE}".encode()).hexdigest()
         self._last_step = 0
         self._pending: dict | None = None
@@ -214,6 +238,7 @@ class DigestCallback(Callback):
 
     # -- Lightning state: the chain continues across a resume -----------------------------
     def state_dict(self) -> dict:
+        self._drain(0)  # the chain saved must cover every step taken so far
         return {"chain": self._chain, "last_step": self._last_step}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -238,12 +263,14 @@ class DigestCallback(Callback):
         self._module = pl_module
         self._trainer = trainer
         self._write(self._header(trainer, pl_module))
+        self._lag = self.write_lag if self.write_lag is not None else int(pl_module.device.type == "cuda")
         for opt in trainer.optimizers:
             self._hooks.append(opt.register_step_post_hook(self._after_optimizer_step))
         if self.capture_steps is not None:
             self._capture = _Capture(self.dirpath / f"capture-rank{self._rank}.jsonl", self.capture_backward)
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._drain(0)
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -277,25 +304,56 @@ class DigestCallback(Callback):
         if global_loss is not None and isinstance(outputs, (dict, torch.Tensor)) and not (
                 isinstance(outputs, dict) and "loss" not in outputs):
             loss = global_loss(outputs["loss"] if isinstance(outputs, dict) else outputs)
-        self._losses.append(_loss_record(loss))
+        self._losses.append(_PendingLoss(loss))
         if self._pending is None:
             return
-        rec, self._pending = self._pending, None
-        losses, self._losses = self._losses, []
-        check_params = rec.pop("_params_for_check", None)
-        if rec.pop("_record"):
-            rec["loss"] = losses[-1]
-            if len(losses) > 1:
-                rec["losses"] = losses
+        entry, self._pending = self._pending, None
+        entry["losses"], self._losses = self._losses, []
+        if entry["record"]:
             if "rng" in self.include:
-                rec["rng"] = rng_digests()
-            self._chain = hashlib.sha256((self._chain + "\n" + json.dumps(rec, sort_keys=True)).encode()).hexdigest()
-            rec["chain"] = self._chain
-            rec["verified"] = self._verified(trainer)
-            self._last_step = rec["step"]
-            self._write({"kind": "step", **rec})
-        if check_params is not None:
-            self._check_replicas(trainer, rec["step"], check_params)
+                entry["rng"] = rng_digests()  # host-side state, taken now
+            entry["verified"] = self._verified(trainer)
+            self._queue.append(entry)
+        if entry["check"]:
+            # A collective: every rank reaches it at the same step, so waiting here is safe.
+            self._check_replicas(trainer, entry["step"], self._sections(entry)["_check"])
+        self._drain(self._lag)
+
+    def _drain(self, keep: int) -> None:
+        """Write queued step lines, oldest first, leaving at most ``keep`` pending."""
+        while len(self._queue) > keep:
+            self._finish(self._queue.pop(0))
+
+    def _sections(self, entry: dict) -> dict:
+        if "sections" not in entry:
+            sections: dict[str, dict] = {}
+            for (sec, name), d in zip(entry["named"], entry["digests"].result()):
+                sections.setdefault(sec, {})[name] = d
+            sections["_check"] = {**sections.get("params", {}), **sections.get("buffers", {})}
+            entry["sections"] = sections
+        return entry["sections"]
+
+    def _finish(self, entry: dict) -> None:
+        sections = self._sections(entry)
+        rec: dict[str, Any] = {"step": entry["step"]}
+        if "params" in self.include:
+            rec["params"] = sections.get("params", {})
+            rec["buffers"] = sections.get("buffers", {})
+        if "grads" in self.include:
+            rec["grads"] = sections.get("grads", {})
+        if "optim" in self.include:
+            rec["optim"] = {**sections.get("optim", {}), **entry["optim_values"]}
+        losses = [p.record() for p in entry["losses"]]
+        rec["loss"] = losses[-1] if losses else None
+        if len(losses) > 1:
+            rec["losses"] = losses
+        if "rng" in entry:
+            rec["rng"] = entry["rng"]
+        self._chain = hashlib.sha256((self._chain + "\n" + json.dumps(rec, sort_keys=True)).encode()).hexdigest()
+        rec["chain"] = self._chain
+        rec["verified"] = entry["verified"]
+        self._last_step = rec["step"]
+        self._write({"kind": "step", **rec})
 
     # -- the step record -------------------------------------------------------------------
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
@@ -305,12 +363,11 @@ class DigestCallback(Callback):
         record = step % self.every_n_steps == 0
         check = self.check_replicas_every_n_steps > 0 and step % self.check_replicas_every_n_steps == 0
         if not (record or check):
-            self._pending = {"step": step, "_record": False}
+            self._pending = {"step": step, "record": False, "check": False}
             return
         module = self._module
         named: list[tuple[str, str, torch.Tensor]] = []  # (section, name, tensor), in model order
-        want_params = "params" in self.include or check
-        if want_params:
+        if "params" in self.include or check:
             named += [("params", n, p) for n, p in module.named_parameters()]
             named += [("buffers", n, b) for n, b in module.named_buffers()]
         if record and "grads" in self.include:
@@ -323,31 +380,16 @@ class DigestCallback(Callback):
                 for gi, group in enumerate(opt.param_groups):
                     hyper = {k: v for k, v in group.items() if k != "params"}
                     optim_values[f"{pre}group{gi}"] = hash_object(hyper)
-                order = [p for g in opt.param_groups for p in g["params"]]
-                for p in order:
+                for p in (p for g in opt.param_groups for p in g["params"]):
                     for key, val in opt.state.get(p, {}).items():
                         name = f"{pre}{self._names.get(id(p), f'param@{id(p)}')}:{key}"
                         if isinstance(val, torch.Tensor):
                             named.append(("optim", name, val))
                         else:
                             optim_values[name] = f"={val!r}"
-        ds = digest_many([t for _, _, t in named])
-        rec: dict[str, Any] = {"step": step, "_record": record}
-        sections: dict[str, dict] = {}
-        for (sec, name, _), d in zip(named, ds):
-            sections.setdefault(sec, {})[name] = d
-        if record:
-            if "params" in self.include:
-                rec["params"] = sections.get("params", {})
-                rec["buffers"] = sections.get("buffers", {})
-            if "grads" in self.include:
-                rec["grads"] = sections.get("grads", {})
-            if "optim" in self.include:
-                rec["optim"] = {**sections.get("optim", {}), **optim_values}
-        if check:
-            rec["_params_for_check"] = {**sections.get("params", {}), **sections.get("buffers", {})}
-        # Order-preserving: optim tensors first in model order, then the counters/groups.
-        self._pending = rec
+        # Queued on the device in stream order, before the next step can touch these tensors.
+        self._pending = {"step": step, "record": record, "check": check, "named": [(a, b) for a, b, _ in named],
+                         "digests": digest_many_async([t for _, _, t in named]), "optim_values": optim_values}
 
     def _verified(self, trainer) -> str:
         v = getattr(trainer.strategy, "det_verified", None)

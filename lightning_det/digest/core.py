@@ -10,7 +10,7 @@ import torch
 from .. import _build
 from .reference import CHUNK_BYTES, digest_from_chunks
 
-__all__ = ["dtype_name", "tensor_digest", "digest_many", "hash_object"]
+__all__ = ["dtype_name", "tensor_digest", "digest_many", "digest_many_async", "PendingDigests", "hash_object"]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -38,35 +38,78 @@ def _prepare(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+class PendingDigests:
+    """Digests whose chunk hashes are still on their way from the device.
+
+    Created by :func:`digest_many_async`: the chunk-hash kernels and a non-blocking copy into
+    pinned host memory are queued on the current CUDA stream, so the caller does not wait for
+    the GPU. :meth:`result` waits for that copy only, then finishes the SHA-256 on the host.
+    """
+
+    def __init__(self, meta: list, parts: list) -> None:
+        self._meta = meta  # (dtype name, shape, nbytes) per tensor
+        self._parts = parts  # (indices, sizes, host int64 tensor, cuda event or None) per device
+        self._result: list[str] | None = None
+
+    def ready(self) -> bool:
+        return self._result is not None or all(ev is None or ev.query() for _, _, _, ev in self._parts)
+
+    def result(self) -> list[str]:
+        if self._result is None:
+            chunks: list = [b""] * len(self._meta)
+            for idx, sizes, host, ev in self._parts:
+                if ev is not None:
+                    ev.synchronize()
+                flat = host.numpy().tobytes()  # int64 little-endian == the uint64 chunk words
+                off = 0
+                for i, n in zip(idx, sizes):
+                    chunks[i] = flat[off * 8: (off + n) * 8]
+                    off += n
+            self._result = [digest_from_chunks(d, s, n, c) for (d, s, n), c in zip(self._meta, chunks)]
+            self._parts = []
+        return self._result
+
+
+def digest_many_async(tensors: Sequence[torch.Tensor]) -> PendingDigests:
+    """Start the digests of several tensors without waiting for their devices.
+
+    Each tensor is hashed on its own device; per device, the short chunk-hash lists (8 bytes per
+    16 KiB) are concatenated and copied to pinned host memory asynchronously. Call
+    ``.result()`` for the hex digests. Tensors may be modified after this returns only in
+    stream order (as the optimizer's next step is), since the kernels read them later.
+    """
+    tensors = list(tensors)
+    if not tensors:
+        return PendingDigests([], [])
+    _build.load()
+    prepared = [_prepare(t) for t in tensors]
+    meta = [(dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for t in prepared]
+    chunks = [torch.ops.ldet.digest_chunks(t) for t in prepared]
+    by_dev: dict = {}
+    for i, c in enumerate(chunks):
+        by_dev.setdefault(c.device, []).append(i)
+    parts = []
+    for dev, idx in by_dev.items():
+        sizes = [chunks[i].numel() for i in idx]
+        flat = torch.cat([chunks[i] for i in idx]) if len(idx) > 1 else chunks[idx[0]]
+        if dev.type == "cuda":
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            parts.append((idx, sizes, host, ev))
+        else:
+            parts.append((idx, sizes, flat.cpu(), None))
+    return PendingDigests(meta, parts)
+
+
 def digest_many(tensors: Sequence[torch.Tensor]) -> list[str]:
     """Digests of several tensors, with one device-to-host copy per device.
 
     The chunk hashes are computed on each tensor's device; only the short per-chunk lists
     (8 bytes per 16 KiB of data) travel to the host, where SHA-256 binds them to dtype and shape.
     """
-    tensors = list(tensors)
-    if not tensors:
-        return []
-    _build.load()
-    prepared = [_prepare(t) for t in tensors]
-    chunks = [torch.ops.ldet.digest_chunks(t) for t in prepared]
-    # Group by device so each device syncs once.
-    host: list = [None] * len(chunks)
-    by_dev: dict = {}
-    for i, c in enumerate(chunks):
-        by_dev.setdefault(c.device, []).append(i)
-    for dev, idx in by_dev.items():
-        sizes = [chunks[i].numel() for i in idx]
-        flat = torch.cat([chunks[i] for i in idx]) if len(idx) > 1 else chunks[idx[0]]
-        flat = flat.cpu().numpy().tobytes()  # int64 little-endian == the uint64 chunk words
-        off = 0
-        for i, n in zip(idx, sizes):
-            host[i] = flat[off * 8 : (off + n) * 8]
-            off += n
-    out = []
-    for t, c in zip(prepared, host):
-        out.append(digest_from_chunks(dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size(), c))
-    return out
+    return digest_many_async(tensors).result()
 
 
 def tensor_digest(t: torch.Tensor) -> str:
