@@ -2,8 +2,9 @@
 // One block per 16 KiB chunk; the per-chunk sum is a wrapping uint64 sum, so the reduction
 // tree below may be any shape and still give the CPU's bits.
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -59,7 +60,7 @@ at::Tensor digest_chunks_cuda(const at::Tensor& self) {
   TORCH_CHECK(nchunks < (int64_t(1) << 31), "ldet::digest_chunks: tensor too large (", nbytes, " bytes)");
   const uint8_t* p = static_cast<const uint8_t*>(self.data_ptr());
   const bool aligned = (reinterpret_cast<uintptr_t>(p) % 8) == 0;
-  auto stream = at::cuda::getCurrentCUDAStream();
+  auto stream = c10::cuda::getCurrentCUDAStream();
   digest_chunks_kernel<<<static_cast<unsigned>(nchunks), kThreads, 0, stream>>>(p, nbytes, aligned,
                                                                                  out.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
