@@ -104,3 +104,15 @@ def test_cuda_equals_cpu():
     # misaligned device pointer
     u = torch.arange(100, dtype=torch.uint8)
     assert tensor_digest(u.cuda()[3:90]) == tensor_digest(u[3:90])
+
+
+def test_digest_layer_does_not_import_lightning():
+    import subprocess
+    import sys
+
+    from tests.conftest import clean_env
+
+    code = ("import sys, lightning_det.digest, lightning_det.digest.manifest, lightning_det.digest.compare, "
+            "lightning_det.data; assert 'lightning' not in sys.modules, sorted(m for m in sys.modules "
+            "if m.startswith('lightning'))")
+    subprocess.run([sys.executable, "-c", code], check=True, env=clean_env(), timeout=120)
