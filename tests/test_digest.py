@@ -88,6 +88,11 @@ def test_shape_and_dtype_are_covered():
     assert len(ds) == 5  # same bytes, five different tensors
 
 
+def test_op_argument_checks_name_the_argument():
+    with pytest.raises(RuntimeError, match="`self` must be contiguous"):
+        torch.ops.ldet.digest_chunks(torch.randn(3, 4).t())
+
+
 def test_digest_many_matches_single():
     ts = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in (1, 5000, 9000)]
     assert digest_many(ts) == [tensor_digest(t) for t in ts]

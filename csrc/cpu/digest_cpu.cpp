@@ -5,17 +5,12 @@
 
 #include <cstring>
 
-#include "hash.h"
+#include "digest_common.h"
 
 namespace {
 
 at::Tensor digest_chunks_cpu(const at::Tensor& self) {
-  TORCH_CHECK(self.layout() == at::kStrided,
-              "ldet::digest_chunks: `self` must be a strided (dense) tensor, got layout ", self.layout());
-  TORCH_CHECK(self.is_contiguous(),
-              "ldet::digest_chunks: `self` must be contiguous (call .contiguous() first); got strides ",
-              self.strides());
-  const int64_t nbytes = self.numel() * static_cast<int64_t>(self.element_size());
+  const int64_t nbytes = ldet::digest_check_input(self);
   const int64_t nchunks = ldet::hash_num_chunks(nbytes);
   at::Tensor out = at::empty({nchunks}, self.options().dtype(at::kLong));
   if (nchunks == 0) return out;

@@ -9,7 +9,7 @@
 
 #include <cstdint>
 
-#include "hash.h"
+#include "digest_common.h"
 
 namespace {
 
@@ -47,13 +47,8 @@ __global__ void digest_chunks_kernel(const uint8_t* __restrict__ p, int64_t nbyt
 }
 
 at::Tensor digest_chunks_cuda(const at::Tensor& self) {
-  TORCH_CHECK(self.layout() == at::kStrided,
-              "ldet::digest_chunks: `self` must be a strided (dense) tensor, got layout ", self.layout());
-  TORCH_CHECK(self.is_contiguous(),
-              "ldet::digest_chunks: `self` must be contiguous (call .contiguous() first); got strides ",
-              self.strides());
   c10::cuda::CUDAGuard guard(self.device());
-  const int64_t nbytes = self.numel() * static_cast<int64_t>(self.element_size());
+  const int64_t nbytes = ldet::digest_check_input(self);
   const int64_t nchunks = ldet::hash_num_chunks(nbytes);
   at::Tensor out = at::empty({nchunks}, self.options().dtype(at::kLong));
   if (nchunks == 0) return out;
