@@ -228,7 +228,7 @@ class DigestCallback(Callback):
         self._lag = 0
         self._chain = hashlib.sha256(f"{CHAIN_SEED}|{PROFILE}".encode()).hexdigest()
         self._last_step = 0
-        self._pending: dict | None = None
+        self._pending: list[dict] = []
         self._losses: list = []
         self._hooks: list = []
         self._names: dict[int, str] = {}
@@ -305,18 +305,21 @@ class DigestCallback(Callback):
                 isinstance(outputs, dict) and "loss" not in outputs):
             loss = global_loss(outputs["loss"] if isinstance(outputs, dict) else outputs)
         self._losses.append(_PendingLoss(loss))
-        if self._pending is None:
+        if not self._pending:
             return
-        entry, self._pending = self._pending, None
-        entry["losses"], self._losses = self._losses, []
-        if entry["record"]:
-            if "rng" in self.include:
-                entry["rng"] = rng_digests()  # host-side state, taken now
-            entry["verified"] = self._verified(trainer)
-            self._queue.append(entry)
-        if entry["check"]:
-            # A collective: every rank reaches it at the same step, so waiting here is safe.
-            self._check_replicas(trainer, entry["step"], self._sections(entry)["_check"])
+        # Usually one entry; several when manual optimization steps more than one optimizer.
+        entries, self._pending = self._pending, []
+        losses, self._losses = self._losses, []
+        for entry in entries:
+            entry["losses"] = losses
+            if entry["record"]:
+                if "rng" in self.include:
+                    entry["rng"] = rng_digests()  # host-side state, taken now
+                entry["verified"] = self._verified(trainer)
+                self._queue.append(entry)
+            if entry["check"]:
+                # A collective: every rank reaches it at the same step, so waiting here is safe.
+                self._check_replicas(trainer, entry["step"], self._sections(entry)["_check"])
         self._drain(self._lag)
 
     def _drain(self, keep: int) -> None:
@@ -363,7 +366,7 @@ class DigestCallback(Callback):
         record = step % self.every_n_steps == 0
         check = self.check_replicas_every_n_steps > 0 and step % self.check_replicas_every_n_steps == 0
         if not (record or check):
-            self._pending = {"step": step, "record": False, "check": False}
+            self._pending.append({"step": step, "record": False, "check": False})
             return
         module = self._module
         named: list[tuple[str, str, torch.Tensor]] = []  # (section, name, tensor), in model order
@@ -388,8 +391,9 @@ class DigestCallback(Callback):
                         else:
                             optim_values[name] = f"={val!r}"
         # Queued on the device in stream order, before the next step can touch these tensors.
-        self._pending = {"step": step, "record": record, "check": check, "named": [(a, b) for a, b, _ in named],
-                         "digests": digest_many_async([t for _, _, t in named]), "optim_values": optim_values}
+        self._pending.append({"step": step, "record": record, "check": check,
+                              "named": [(a, b) for a, b, _ in named],
+                              "digests": digest_many_async([t for _, _, t in named]), "optim_values": optim_values})
 
     def _verified(self, trainer) -> str:
         v = getattr(trainer.strategy, "det_verified", None)

@@ -141,6 +141,7 @@ class ExactResumeCallback(ManifestCallback):
         self._pending_rng: dict | None = None
         self._pending_samplers: list | None = None
         self._saved_optim_dtypes: list | None = None
+        self._trainer_ref = None
 
     # -- progress --------------------------------------------------------------------------
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
