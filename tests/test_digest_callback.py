@@ -3,6 +3,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 from lightning_det.cli import main as cli
 from lightning_det.digest.compare import diff_runs, load_run
@@ -121,3 +122,13 @@ def test_report_without_matplotlib_is_a_clear_error(runs, tmp_path, capsys, monk
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert cli(["report", str(runs["a"]), "-o", str(tmp_path / "r.png")]) == 2
     assert "pip install 'lightning-det[plot]'" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_runs_write_identical_files_with_async_and_sync_writing(tmp_path):
+    run(str(tmp_path / "a"), max_steps=5, accelerator="gpu")  # default: write_lag=1 on CUDA
+    run(str(tmp_path / "b"), max_steps=5, accelerator="gpu", write_lag=0)
+    a, b = step_lines(tmp_path / "a"), step_lines(tmp_path / "b")
+    assert len(a) == 5 and a == b
+    assert "torch_cuda" in json.loads(a[0])["rng"]

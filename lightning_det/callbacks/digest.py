@@ -44,8 +44,9 @@ def rng_digests() -> dict[str, Any]:
     """Digests of the RNG states the next step can depend on (this process)."""
     out = {"torch_cpu": tensor_digest(torch.get_rng_state())}
     # Only look at CUDA if this process already uses it: querying would initialize a context.
+    # Only this process's device: touching every GPU would create a context on each, per rank.
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["torch_cuda"] = [tensor_digest(s) for s in torch.cuda.get_rng_state_all()]
+        out["torch_cuda"] = tensor_digest(torch.cuda.get_rng_state())
     name, keys, pos, has_gauss, cached = np.random.get_state()
     out["numpy"] = hashlib.sha256(
         f"{name}|{pos}|{has_gauss}|{float(cached).hex()}|".encode() + np.asarray(keys).tobytes()

@@ -62,8 +62,10 @@ def _rng_state() -> dict:
         "python": _to_lists(random.getstate()),
         "cuda": None,
     }
+    # The current device only (Lightning sets it per rank); get_rng_state_all would create a
+    # context on every visible GPU from every rank.
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        st["cuda"] = torch.cuda.get_rng_state_all()
+        st["cuda"] = torch.cuda.get_rng_state()
     return st
 
 
@@ -81,7 +83,7 @@ def _set_rng_state(st: dict) -> None:
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     random.setstate(_to_tuples(st["python"]))
     if st.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
+        torch.cuda.set_rng_state(st["cuda"])
 
 
 def _same_rng(a: dict, b: dict) -> bool:
@@ -90,7 +92,7 @@ def _same_rng(a: dict, b: dict) -> bool:
     ca, cb = a.get("cuda"), b.get("cuda")
     if (ca is None) != (cb is None):
         return False
-    return ca is None or (len(ca) == len(cb) and all(torch.equal(x, y) for x, y in zip(ca, cb)))
+    return ca is None or torch.equal(ca, cb)
 
 
 def find_deterministic_samplers(trainer) -> list[DeterministicSampler]:

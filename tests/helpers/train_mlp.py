@@ -102,7 +102,8 @@ def run(dirpath: str, *, max_steps: int, batch_size: int = 8, accumulate: int = 
         ckpt_in: str | None = None, perturb: tuple[str, int] | None = None, capture: tuple[int, int] | None = None,
         replica_check: int = 0, corrupt: tuple[int, str, int] | None = None, digest: bool = True,
         devices: int = 1, strategy: str = "auto", seed: int = 0, ckpt_every: int = 0, dropout: bool = True,
-        optim: str = "adamw", det: bool = False, write_lag: int | None = None) -> pl.Trainer:
+        optim: str = "adamw", det: bool = False, write_lag: int | None = None,
+        accelerator: str = "cpu") -> pl.Trainer:
     torch.use_deterministic_algorithms(True)
     pl.seed_everything(seed, verbose=False)
     model = MLP(dropout=dropout, optim=optim)
@@ -129,7 +130,7 @@ def run(dirpath: str, *, max_steps: int, batch_size: int = 8, accumulate: int = 
     if digest:
         cbs.append(DigestCallback(dirpath, check_replicas_every_n_steps=replica_check, capture_steps=capture,
                                   write_lag=write_lag))
-    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=devices, strategy=strategy,
+    trainer = pl.Trainer(max_steps=max_steps, accelerator=accelerator, devices=devices, strategy=strategy,
                          accumulate_grad_batches=accumulate, callbacks=cbs, logger=False, enable_checkpointing=bool(ckpt_every),
                          enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                          deterministic=True, default_root_dir=dirpath)
