@@ -93,6 +93,14 @@ def test_op_argument_checks_name_the_argument():
         torch.ops.ldet.digest_chunks(torch.randn(3, 4).t())
 
 
+def test_fake_tensor_shape():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        out = torch.ops.ldet.digest_chunks(torch.empty(3 * 4096 + 1))
+    assert out.shape == (4,) and out.dtype == torch.long
+
+
 def test_digest_many_matches_single():
     ts = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in (1, 5000, 9000)]
     assert digest_many(ts) == [tensor_digest(t) for t in ts]

@@ -83,6 +83,14 @@ def digest_many_async(tensors: Sequence[torch.Tensor]) -> PendingDigests:
         return PendingDigests([], [])
     _build.load()
     prepared = [_prepare(t) for t in tensors]
+    if any(t.is_cuda for t in prepared) and not _build.cuda_built():
+        raise _build.ExtensionError(
+            "digest: a tensor is on CUDA but lightning_det's core was built without its CUDA kernels "
+            "(no nvcc found, or LIGHTNING_DET_NO_CUDA=1). Install the CUDA toolkit matching torch "
+            f"{torch.version.cuda}, unset LIGHTNING_DET_NO_CUDA and delete the build folder to rebuild. "
+            "Copying the tensor to the CPU instead would give the same digest, but a whole GPU tensor is "
+            "deliberately never copied to the host."
+        )
     meta = [(dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for t in prepared]
     chunks = [torch.ops.ldet.digest_chunks(t) for t in prepared]
     by_dev: dict = {}
