@@ -444,6 +444,9 @@ class DigestCallback(Callback):
                f"{first['tensor']!r} than rank(s) {first['agreeing_ranks']} ({len(mismatches)} mismatch(es) "
                f"in all; see {self.path}). Under data parallelism parameters must be equal on every rank: "
                "this is silent data corruption or a non-replicated update.")
+        if first["ambiguous"]:
+            msg += (f" There is no majority among {len(gathered)} replicas, so either side may be the corrupted one;"
+                    " a third replica (or a rerun) decides.")
         if self.on_replica_mismatch == "raise":
             raise ReplicaMismatchError(msg)
         if trainer.global_rank == 0:
@@ -454,7 +457,8 @@ def find_replica_mismatches(per_rank: list[dict[str, str]]) -> list[dict]:
     """Given each rank's ``{tensor: digest}``, the (rank, tensor) pairs that disagree.
 
     The reference value of a tensor is the digest most ranks hold (ties go to the one the lowest
-    rank holds), so with 3+ ranks the odd one out is named; with 2 ranks rank 1 is named.
+    rank holds), so with 3+ ranks the odd one out is named; without a strict majority (2 ranks)
+    the entries are marked ``ambiguous`` and the ranks that differ from the lowest rank are named.
     """
     out = []
     names = list(per_rank[0])
@@ -466,7 +470,10 @@ def find_replica_mismatches(per_rank: list[dict[str, str]]) -> list[dict]:
         if len(counts) == 1:
             continue
         ref = max(counts, key=lambda v: (len(counts[v]), -counts[v][0]))
+        # No strict majority (e.g. two replicas): the digests cannot tell which side is corrupt.
+        ambiguous = 2 * len(counts[ref]) <= len(vals)
         for r, v in enumerate(vals):
             if v != ref:
-                out.append({"rank": r, "tensor": name, "digest": v, "expected": ref, "agreeing_ranks": counts[ref]})
+                out.append({"rank": r, "tensor": name, "digest": v, "expected": ref, "agreeing_ranks": counts[ref],
+                            "ambiguous": ambiguous})
     return out

@@ -103,7 +103,7 @@ def run(dirpath: str, *, max_steps: int, batch_size: int = 8, accumulate: int = 
         replica_check: int = 0, corrupt: tuple[int, str, int] | None = None, digest: bool = True,
         devices: int = 1, strategy: str = "auto", seed: int = 0, ckpt_every: int = 0, dropout: bool = True,
         optim: str = "adamw", det: bool = False, write_lag: int | None = None,
-        accelerator: str = "cpu") -> pl.Trainer:
+        accelerator: str = "cpu", replica_action: str = "warn") -> pl.Trainer:
     torch.use_deterministic_algorithms(True)
     pl.seed_everything(seed, verbose=False)
     model = MLP(dropout=dropout, optim=optim)
@@ -129,6 +129,7 @@ def run(dirpath: str, *, max_steps: int, batch_size: int = 8, accumulate: int = 
                                    every_n_train_steps=ckpt_every, auto_insert_metric_name=False))
     if digest:
         cbs.append(DigestCallback(dirpath, check_replicas_every_n_steps=replica_check, capture_steps=capture,
+                                  on_replica_mismatch=replica_action,
                                   write_lag=write_lag))
     trainer = pl.Trainer(max_steps=max_steps, accelerator=accelerator, devices=devices, strategy=strategy,
                          accumulate_grad_batches=accumulate, callbacks=cbs, logger=False, enable_checkpointing=bool(ckpt_every),
@@ -149,6 +150,7 @@ def main(argv=None) -> None:
     p.add_argument("--ckpt-in")
     p.add_argument("--replica-check", type=int, default=0)
     p.add_argument("--corrupt", help="RANK:PARAM:STEP")
+    p.add_argument("--replica-action", default="warn", choices=["warn", "raise"])
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--strategy", default="auto")
     p.add_argument("--no-dropout", action="store_true")
@@ -161,7 +163,7 @@ def main(argv=None) -> None:
         corrupt = (int(r), n, int(s))
     run(a.dirpath, max_steps=a.max_steps, batch_size=a.batch_size, ckpt_out=a.ckpt_out, ckpt_in=a.ckpt_in,
         replica_check=a.replica_check, corrupt=corrupt, devices=a.devices, strategy=a.strategy,
-        dropout=not a.no_dropout, optim=a.optim, det=a.det)
+        dropout=not a.no_dropout, optim=a.optim, det=a.det, replica_action=a.replica_action)
 
 
 if __name__ == "__main__":
