@@ -132,3 +132,11 @@ def test_cuda_runs_write_identical_files_with_async_and_sync_writing(tmp_path):
     a, b = step_lines(tmp_path / "a"), step_lines(tmp_path / "b")
     assert len(a) == 5 and a == b
     assert "torch_cuda" in json.loads(a[0])["rng"]
+
+
+def test_localization_says_when_the_divergent_step_was_not_captured(runs, tmp_path, capsys):
+    late = tmp_path / "late"
+    run(str(late), max_steps=6, capture=(5, 5), perturb=("net.3", K))
+    assert cli(["diff", str(runs["a"]), str(late)]) == 1
+    out = capsys.readouterr().out
+    assert f"capture step {K}" in out

@@ -114,10 +114,15 @@ def localize(a_events: list[dict], b_events: list[dict], step: int | None = None
     if not a_events or not b_events:
         return None
     if step is not None:
-        a_sel = [e for e in a_events if e["step"] >= step]
-        b_sel = [e for e in b_events if e["step"] >= step]
-        if a_sel and b_sel:
-            a_events, b_events = a_sel, b_sel
+        # The step record of step k reflects step k's forward/backward: that is what to compare.
+        ca, cb = sorted({e["step"] for e in a_events}), sorted({e["step"] for e in b_events})
+        if step not in ca or step not in cb:
+            return {"status": "not_captured", "captured_steps": {"a": ca, "b": cb},
+                    "message": f"the runs first differ at step {step}, which is not captured in both runs "
+                               f"(captured steps: {ca} and {cb}); capture step {step} in both with "
+                               f"DigestCallback(capture_steps=({step}, {step}))"}
+        a_events = [e for e in a_events if e["step"] == step]
+        b_events = [e for e in b_events if e["step"] == step]
     for ea, eb in zip(a_events, b_events):
         key_a = (ea["step"], ea["micro"], ea["phase"], ea["module"])
         key_b = (eb["step"], eb["micro"], eb["phase"], eb["module"])
