@@ -263,6 +263,10 @@ class DigestCallback(Callback):
         self._names = {id(p): n for n, p in pl_module.named_parameters()}
         self._module = pl_module
         self._trainer = trainer
+        if self._resumed_from is None and self.path.exists() and self.path.stat().st_size:
+            warnings.warn(f"DigestCallback: {self.path} already holds a run; this fresh run appends to it and "
+                          "`lightning-det diff` will take the latest record of each step. Use a new dirpath per run.",
+                          RuntimeWarning, stacklevel=2)
         self._write(self._header(trainer, pl_module))
         self._lag = self.write_lag if self.write_lag is not None else int(pl_module.device.type == "cuda")
         for opt in trainer.optimizers:
