@@ -140,3 +140,23 @@ def test_localization_says_when_the_divergent_step_was_not_captured(runs, tmp_pa
     assert cli(["diff", str(runs["a"]), str(late)]) == 1
     out = capsys.readouterr().out
     assert f"capture step {K}" in out
+
+
+def test_grads_are_recorded_after_clipping(runs, tmp_path):
+    """The gradients digested are those the optimizer read: clipped, not as backward left them."""
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_det.digest import digest_many
+
+    seen = {}
+
+    class Before(Callback):  # Lightning calls this before it clips
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if trainer.global_step == 0:
+                seen["raw"] = digest_many([p.grad for p in pl_module.parameters()])
+
+    run(str(tmp_path), max_steps=1, gradient_clip_val=1e-3, extra_callbacks=(Before(),))
+    clipped = json.loads(step_lines(tmp_path)[0])["grads"]
+    unclipped = json.loads(step_lines(runs["plain"])[0])["grads"]
+    assert list(unclipped.values()) == seen["raw"]  # same grads before clipping ...
+    assert all(clipped[n] != unclipped[n] for n in clipped)  # ... and every one was scaled down

@@ -103,7 +103,8 @@ def run(dirpath: str, *, max_steps: int, batch_size: int = 8, accumulate: int = 
         replica_check: int = 0, corrupt: tuple[int, str, int] | None = None, digest: bool = True,
         devices: int = 1, strategy: str = "auto", seed: int = 0, ckpt_every: int = 0, dropout: bool = True,
         optim: str = "adamw", det: bool = False, write_lag: int | None = None,
-        accelerator: str = "cpu", replica_action: str = "warn") -> pl.Trainer:
+        accelerator: str = "cpu", replica_action: str = "warn", gradient_clip_val: float | None = None,
+        extra_callbacks: tuple = ()) -> pl.Trainer:
     torch.use_deterministic_algorithms(True)
     pl.seed_everything(seed, verbose=False)
     model = MLP(dropout=dropout, optim=optim)
@@ -117,7 +118,7 @@ def run(dirpath: str, *, max_steps: int, batch_size: int = 8, accumulate: int = 
     ds = dataset()
     sampler = DeterministicSampler(len(ds), batch_size, num_replicas=world, rank=rank, shuffle=True, seed=seed)
     loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, sampler=sampler)
-    cbs: list = [ExactResumeCallback()]
+    cbs: list = [ExactResumeCallback(), *extra_callbacks]
     if perturb:
         cbs.append(PerturbAt(*perturb))
     if corrupt:
@@ -132,7 +133,7 @@ def run(dirpath: str, *, max_steps: int, batch_size: int = 8, accumulate: int = 
                                   on_replica_mismatch=replica_action,
                                   write_lag=write_lag))
     trainer = pl.Trainer(max_steps=max_steps, accelerator=accelerator, devices=devices, strategy=strategy,
-                         accumulate_grad_batches=accumulate, callbacks=cbs, logger=False, enable_checkpointing=bool(ckpt_every),
+                         accumulate_grad_batches=accumulate, gradient_clip_val=gradient_clip_val, callbacks=cbs, logger=False, enable_checkpointing=bool(ckpt_every),
                          enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                          deterministic=True, default_root_dir=dirpath)
     trainer.fit(model, loader, ckpt_path=ckpt_in)
