@@ -9,12 +9,16 @@
 //   SHA-256, so padding cannot collide with real zero bytes).
 //   Words are grouped into chunks of LDET_HASH_CHUNK_WORDS (16 KiB). Chunk c's hash is
 //       h_c = sum_{i in chunk c} mix(w_i, i)   (mod 2^64)
-//   where i is the GLOBAL word index and mix(w, i) = fmix64(w ^ fmix64(i + GOLDEN)).
+//   where i is the GLOBAL word index and mix(w, i) = fmix64(w ^ ((i + 1) * GOLDEN)) (mod 2^64).
 //   - Mixing the index into every word makes the hash element-order sensitive (unlike an
 //     XOR-sum such as torch.hash_tensor), while the sum itself is commutative and associative:
 //     any reduction order (threads, blocks, warps) gives the same bits, with no atomics needed.
 //   - fmix64 is a bijection and x -> x ^ k is too, so for a fixed index mix is a bijection in w:
 //     changing any single word ALWAYS changes its chunk hash (not just with high probability).
+//   - GOLDEN is odd, so the per-index keys (i + 1) * GOLDEN are distinct. One fmix64 per word
+//     (two multiplies) keeps the CPU path near memory speed; measured 3.5 -> 5.3 GB/s per core
+//     against keys made by a second fmix64, which adds no order sensitivity (a swap of a and b
+//     collides exactly when a ^ b equals the XOR of the two keys, whatever the keys are).
 //   The host then hashes the chunk list with SHA-256 together with dtype, shape and byte count.
 #pragma once
 
@@ -45,7 +49,7 @@ LDET_HD uint64_t fmix64(uint64_t x) {
 }
 
 LDET_HD uint64_t hash_word(uint64_t word, uint64_t global_index) {
-  return fmix64(word ^ fmix64(global_index + LDET_HASH_GOLDEN));
+  return fmix64(word ^ ((global_index + 1) * LDET_HASH_GOLDEN));
 }
 
 // Word `i` of a byte buffer of length `nbytes`, little-endian, zero-padded past the end.

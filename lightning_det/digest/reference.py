@@ -8,7 +8,7 @@ Definition:
   * bytes: the tensor's row-major contiguous bytes (``nbytes = numel * element_size``);
   * words: little-endian uint64 words, the last one zero-padded;
   * chunk hash: ``h_c = sum(mix(w_i, i) for i in chunk c) mod 2**64`` with 2048 words (16 KiB)
-    per chunk and ``i`` the global word index, ``mix(w, i) = fmix64(w ^ fmix64(i + GOLDEN))``;
+    per chunk and ``i`` the global word index, ``mix(w, i) = fmix64(w ^ ((i + 1) * GOLDEN mod 2**64))``;
   * digest: SHA-256 over a header naming the format, dtype, shape and byte count, followed by
     the chunk hashes as little-endian uint64, as lowercase hex.
 """
@@ -38,7 +38,7 @@ def fmix64(x: int) -> int:
 
 def hash_word(word: int, index: int) -> int:
     """The per-word mix of a word's value and its global index."""
-    return fmix64(word ^ fmix64(index + GOLDEN))
+    return fmix64(word ^ (((index + 1) * GOLDEN) & MASK))
 
 
 def chunk_hashes(data: bytes) -> list[int]:
