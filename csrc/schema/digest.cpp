@@ -1,0 +1,8 @@
+// Schema of the digest op; the device files register implementations.
+#include <torch/library.h>
+
+TORCH_LIBRARY_FRAGMENT(ldet, m) {
+  // Per-16KiB-chunk 64-bit hashes of a contiguous tensor's raw bytes (see csrc/hash.h),
+  // as an int64 tensor of ceil(nbytes / 16384) elements on the input's device.
+  m.def("digest_chunks(Tensor self) -> Tensor");
+}

@@ -1,0 +1,131 @@
+"""The tensor digest against its pure-Python reference, and its sensitivity."""
+import functools
+import operator
+
+import pytest
+import torch
+
+from lightning_det.digest import dtype_name, digest_many, tensor_digest
+from lightning_det.digest import reference as R
+
+
+def ref_digest(t: torch.Tensor) -> str:
+    c = t.detach().contiguous().reshape(-1)
+    data = c.view(torch.uint8).numpy().tobytes() if c.numel() else b""
+    return R.digest_bytes(data, dtype_name(t.dtype), tuple(t.shape))
+
+
+CASES = [
+    torch.randn(5, 123, generator=torch.Generator().manual_seed(0)),  # odd shape, < 1 chunk
+    torch.randn(3 * 4096 + 7, generator=torch.Generator().manual_seed(1)),  # 3 chunks + a partial word tail
+    torch.randn(11, 3, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16),  # 66 bytes: tail of 2
+    torch.arange(7, dtype=torch.uint8),  # 7 bytes: a single partial word
+    torch.tensor(3.5, dtype=torch.float64),  # 0-dim
+    torch.empty(0, 4),  # no bytes at all
+    torch.tensor([True, False, True]),
+    torch.randint(-2**62, 2**62, (4099,), generator=torch.Generator().manual_seed(3)),
+]
+
+
+@pytest.mark.parametrize("t", CASES, ids=lambda t: f"{dtype_name(t.dtype)}{list(t.shape)}")
+def test_matches_reference(t):
+    assert tensor_digest(t) == ref_digest(t)
+
+
+def test_chunk_hashes_match_reference_bit_for_bit():
+    t = torch.randn(2 * 4096 + 1, generator=torch.Generator().manual_seed(4))
+    got = [x % 2**64 for x in torch.ops.ldet.digest_chunks(t).tolist()]
+    assert got == R.chunk_hashes(t.numpy().tobytes())
+
+
+def test_independent_of_thread_count_and_layout():
+    t = torch.randn(64, 1000, generator=torch.Generator().manual_seed(5))
+    want = tensor_digest(t)
+    n = torch.get_num_threads()
+    try:
+        for k in (1, 2):
+            torch.set_num_threads(k)
+            assert tensor_digest(t) == want
+    finally:
+        torch.set_num_threads(n)
+    # A transposed view digests its logical (row-major) content, like .contiguous().
+    assert tensor_digest(t.t()) == tensor_digest(t.t().contiguous())
+    # A misaligned slice (byte offset not a multiple of 8) reads the same bytes as its copy.
+    u = torch.arange(100, dtype=torch.uint8)[3:90]
+    assert tensor_digest(u) == tensor_digest(u.clone()) == ref_digest(u)
+
+
+def test_one_bit_flip_changes_digest():
+    t = torch.randn(3000, generator=torch.Generator().manual_seed(6))
+    base = tensor_digest(t)
+    for idx in (0, 1499, 2999):
+        for bit in (0, 17, 31):
+            u = t.clone()
+            u.view(torch.int32)[idx] ^= 1 << bit
+            assert tensor_digest(u) != base, (idx, bit)
+
+
+def test_swap_changes_digest_where_xor_sum_would_not():
+    t = torch.arange(4096, dtype=torch.float32)
+    u = t.clone()
+    u[[10, 3000]] = u[[3000, 10]]
+    assert tensor_digest(u) != tensor_digest(t)
+    # Control: an order-insensitive hash (XOR of the words) cannot see the swap.
+    def xor(x):
+        return functools.reduce(operator.xor, x.view(torch.int32).tolist())
+
+    assert xor(u) == xor(t)
+    # Neighbours swapped inside one 8-byte word, too.
+    v = t.clone()
+    v[[0, 1]] = v[[1, 0]]
+    assert tensor_digest(v) != tensor_digest(t)
+
+
+def test_shape_and_dtype_are_covered():
+    t = torch.randn(6, 4, generator=torch.Generator().manual_seed(7))
+    ds = {tensor_digest(t), tensor_digest(t.reshape(4, 6)), tensor_digest(t.reshape(24)),
+          tensor_digest(t.view(torch.int32)), tensor_digest(t.view(torch.float16).reshape(6, 4, 2))}
+    assert len(ds) == 5  # same bytes, five different tensors
+
+
+def test_op_argument_checks_name_the_argument():
+    with pytest.raises(RuntimeError, match="`self` must be contiguous"):
+        torch.ops.ldet.digest_chunks(torch.randn(3, 4).t())
+
+
+def test_fake_tensor_shape():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        out = torch.ops.ldet.digest_chunks(torch.empty(3 * 4096 + 1))
+    assert out.shape == (4,) and out.dtype == torch.long
+
+
+def test_digest_many_matches_single():
+    ts = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in (1, 5000, 9000)]
+    assert digest_many(ts) == [tensor_digest(t) for t in ts]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_equals_cpu():
+    from lightning_det import _build
+
+    assert _build.cuda_built(), "the core was built without the CUDA kernels"
+    for t in CASES + [torch.randn(1 << 20, generator=torch.Generator().manual_seed(8))]:
+        assert tensor_digest(t.cuda()) == tensor_digest(t) == ref_digest(t)
+    # misaligned device pointer
+    u = torch.arange(100, dtype=torch.uint8)
+    assert tensor_digest(u.cuda()[3:90]) == tensor_digest(u[3:90])
+
+
+def test_digest_layer_does_not_import_lightning():
+    import subprocess
+    import sys
+
+    from tests.conftest import clean_env
+
+    code = ("import sys, lightning_det.digest, lightning_det.digest.manifest, lightning_det.digest.compare, "
+            "lightning_det.data; assert 'lightning' not in sys.modules, sorted(m for m in sys.modules "
+            "if m.startswith('lightning'))")
+    subprocess.run([sys.executable, "-c", code], check=True, env=clean_env(), timeout=120)
