@@ -77,6 +77,9 @@ class DeterministicStrategy(DDPStrategy):
                 unverified += list(m.ldet_unverified)
         if unverified:
             self.det_unverified_reasons += [f"module {u}" for u in unverified]
+        # Known before the first step (run headers are written then); the op audit of the first
+        # step can still downgrade it (non-strict) or stop the run (strict).
+        self.det_verified = not self.det_unverified_reasons
         self._sync_initial_states()
         self._patch_clipping()
 

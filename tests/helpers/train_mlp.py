@@ -45,17 +45,25 @@ class MLP(pl.LightningModule):
     """Dropout exercises the RNG restore; world-size comparisons turn it off (per-rank masks
     cannot match a single process's mask). ``optim="adamwsr"`` uses lightning_det's AdamWSR."""
 
-    def __init__(self, lr: float = 1e-2, dropout: bool = True, optim: str = "adamw") -> None:
+    def __init__(self, lr: float = 1e-2, dropout: bool = True, optim: str = "adamw", det: bool = False) -> None:
         super().__init__()
-        self.lr, self.optim = lr, optim
-        self.net = nn.Sequential(PerturbableLinear(IN, HID), nn.ReLU(), nn.Dropout(0.1) if dropout else nn.Identity(),
-                                 PerturbableLinear(HID, HID), nn.Tanh(), PerturbableLinear(HID, OUT))
+        self.lr, self.optim, self.det = lr, optim, det
+        # det runs use plain nn.Linear, which det_transform swaps for DetLinear (it refuses subclasses)
+        lin = nn.Linear if det else PerturbableLinear
+        self.net = nn.Sequential(lin(IN, HID), nn.ReLU(), nn.Dropout(0.1) if dropout else nn.Identity(),
+                                 lin(HID, HID), nn.Tanh(), lin(HID, OUT))
 
     def forward(self, x):
         return self.net(x)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if self.det:
+            # the global mean over every rank's squared errors: value and gradient world-size invariant
+            from lightning_det import global_mean
+
+            d = self(x) - y
+            return global_mean(d * d)
         return nn.functional.mse_loss(self(x), y)
 
     def configure_optimizers(self):
@@ -107,7 +115,7 @@ def run(dirpath: str, *, max_steps: int, batch_size: int = 8, accumulate: int = 
         extra_callbacks: tuple = ()) -> pl.Trainer:
     torch.use_deterministic_algorithms(True)
     pl.seed_everything(seed, verbose=False)
-    model = MLP(dropout=dropout, optim=optim)
+    model = MLP(dropout=dropout, optim=optim, det=det)
     if det:
         # The exact layers (lead's issue): swap nn.Linear for DetLinear in place.
         from lightning_det.nn import det_transform
