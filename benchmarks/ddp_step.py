@@ -1,0 +1,142 @@
+"""det_ddp against plain ddp on the same model, in one run: step time, peak memory, and the bytes
+each gradient reduction moves per gradient element.
+
+    python benchmarks/ddp_step.py                          # CPU, 2 processes (gloo)
+    python benchmarks/ddp_step.py --accelerator gpu --devices 1
+
+Each strategy runs as its own subprocess (Lightning's launcher starts the other ranks); rank 0
+reports the median step time after warm-up and its peak memory (CUDA: max_memory_allocated;
+CPU: peak RSS of the process). Writes benchmarks/results/<device>-ddp_step.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+
+def child(args):
+    import lightning as L
+    import torch.nn.functional as F
+    from torch import nn
+
+    import lightning_det  # noqa: F401
+    from lightning_det import global_mean
+    from lightning_det.nn import det_transform
+
+    torch.set_num_threads(1 if args.accelerator == "cpu" else 4)
+    det = args.strategy == "det_ddp"
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            d = args.width
+            self.net = nn.Sequential(nn.Embedding(512, d), nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(),
+                                     nn.Linear(4 * d, d), nn.LayerNorm(d), nn.Linear(d, 512))
+            if det:
+                det_transform(self.net)
+            self.times = []
+
+        def training_step(self, batch, _):
+            x, y = batch
+            logits = self.net(x)
+            if det:
+                return global_mean(F.cross_entropy(logits, y, reduction="none"))
+            return F.cross_entropy(logits, y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    class Timer(L.Callback):
+        def on_train_batch_start(self, trainer, *a):
+            if torch.cuda.is_available() and args.accelerator == "gpu":
+                torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, *a):
+            if torch.cuda.is_available() and args.accelerator == "gpu":
+                torch.cuda.synchronize()
+            pl_module.times.append(time.perf_counter() - self.t0)
+
+    g = torch.Generator().manual_seed(1)
+    n = args.batch * (args.steps + 2)
+    x = torch.randint(0, 512, (n,), generator=g)
+    ds = torch.utils.data.TensorDataset(x, (x * 7 + 3) % 512)
+    dl = torch.utils.data.DataLoader(ds, batch_size=args.batch // args.devices, shuffle=True)
+    model = Net()
+    trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=args.strategy,
+                        max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[Timer()])
+    if args.accelerator == "gpu":
+        torch.cuda.reset_peak_memory_stats()
+    trainer.fit(model, dl)
+    if trainer.global_rank == 0:
+        warm = model.times[3:] or model.times
+        if args.accelerator == "gpu":
+            peak = torch.cuda.max_memory_allocated()
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        sync = getattr(trainer.strategy, "det_last_sync", None) or {}
+        params = sum(p.numel() for p in model.parameters())
+        bytes_per_elem = (sync["bytes"] / sync["elements"]) if sync.get("elements") else 4.0
+        Path(args.out).write_text(json.dumps({
+            "strategy": args.strategy, "devices": args.devices, "params": params,
+            "step_ms": 1e3 * statistics.median(warm), "peak_bytes": peak,
+            "allreduce_bytes_per_grad_element": bytes_per_elem,
+            "allreduce_bytes_per_step": sync.get("bytes", 4 * params),
+        }))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--batch", type=int, default=256, help="global batch")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--child", action="store_true")
+    p.add_argument("--strategy", default="det_ddp")
+    p.add_argument("--out", default="")
+    args = p.parse_args(argv)
+    if args.child:
+        return child(args)
+    from _common import write
+
+    rows = []
+    for strategy in ("det_ddp", "ddp"):
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            out = f.name
+        cmd = [sys.executable, __file__, "--child", "--strategy", strategy, "--out", out,
+               "--accelerator", args.accelerator, "--devices", str(args.devices), "--width", str(args.width),
+               "--batch", str(args.batch), "--steps", str(args.steps)]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
+        subprocess.run(cmd, check=True, env=env, timeout=1800)
+        rows.append(json.loads(Path(out).read_text()))
+        print(json.dumps(rows[-1]), flush=True)
+    det, ddp = rows
+    summary = {"step_time_ratio": det["step_ms"] / ddp["step_ms"], "peak_memory_ratio": det["peak_bytes"] / ddp["peak_bytes"]}
+    print(f"det_ddp / ddp: step time {summary['step_time_ratio']:.2f}x, peak memory {summary['peak_memory_ratio']:.2f}x, "
+          f"all-reduce {det['allreduce_bytes_per_grad_element']:.0f} vs {ddp['allreduce_bytes_per_grad_element']:.0f} "
+          "bytes per gradient element")
+    device = "cuda" if args.accelerator == "gpu" else "cpu"
+    path = write("ddp_step", device, rows, extra={"summary": summary, "world_size": args.devices,
+                                                 "model": f"emb-LN-MLP width {args.width}", "global_batch": args.batch})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
