@@ -88,6 +88,16 @@ def test_shape_and_dtype_are_covered():
     assert len(ds) == 5  # same bytes, five different tensors
 
 
+def test_python_layer_handles_what_the_op_would_refuse():
+    # The public functions make inputs contiguous before the op sees them, so users never reach
+    # the C++ guard (on the GPU image's torch 2.11 a C++ exception thrown from an extension op
+    # crashed the process: benchmarks/NOTES.md).
+    t = torch.randn(3, 4, generator=torch.Generator().manual_seed(3))
+    assert tensor_digest(t.t()) == tensor_digest(t.t().contiguous())
+
+
+@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
+                    reason="C++ exceptions from extension ops crash torch 2.11 on the GPU image (NOTES.md)")
 def test_op_argument_checks_name_the_argument():
     with pytest.raises(RuntimeError, match="`self` must be contiguous"):
         torch.ops.ldet.digest_chunks(torch.randn(3, 4).t())
@@ -119,13 +129,19 @@ def test_cuda_equals_cpu():
     assert tensor_digest(u.cuda()[3:90]) == tensor_digest(u[3:90])
 
 
-def test_digest_layer_does_not_import_lightning():
+def test_lower_layers_work_without_lightning():
+    # With Lightning made unimportable, every layer below the Lightning glue still imports and
+    # runs (`import lightning_det` registers det_ddp only when Lightning is there).
     import subprocess
     import sys
 
     from tests.conftest import clean_env
 
-    code = ("import sys, lightning_det.digest, lightning_det.digest.manifest, lightning_det.digest.compare, "
-            "lightning_det.data; assert 'lightning' not in sys.modules, sorted(m for m in sys.modules "
-            "if m.startswith('lightning'))")
-    subprocess.run([sys.executable, "-c", code], check=True, env=clean_env(), timeout=120)
+    code = ("import sys; sys.modules['lightning'] = None; sys.modules['pytorch_lightning'] = None\n"
+            "import torch, lightning_det, lightning_det.ops, lightning_det.nn, lightning_det.optim, "
+            "lightning_det.parallel, lightning_det.digest, lightning_det.digest.manifest, "
+            "lightning_det.digest.compare, lightning_det.data\n"
+            "from lightning_det.ops import det_gemm\n"
+            "assert det_gemm(torch.ones(2, 3), torch.ones(4, 3)).sum().item() == 24.0\n"
+            "assert lightning_det.digest.tensor_digest(torch.ones(3))")
+    subprocess.run([sys.executable, "-c", code], check=True, env=clean_env(), timeout=300)
