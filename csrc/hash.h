@@ -24,13 +24,7 @@
 
 #include <cstdint>
 
-#ifndef LDET_HD  // same definition as csrc/longacc.h
-#if defined(__CUDACC__)
-#define LDET_HD __host__ __device__ __forceinline__
-#else
-#define LDET_HD inline
-#endif
-#endif
+#include "ldet_hd.h"
 
 namespace ldet {
 

@@ -38,11 +38,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__CUDACC__)
-#define LDET_HD __host__ __device__ __forceinline__
-#else
-#define LDET_HD inline
-#endif
+#include "ldet_hd.h"
 
 namespace ldet {
 

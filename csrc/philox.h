@@ -19,13 +19,7 @@
 
 #include <cstdint>
 
-#ifndef LDET_HD
-#if defined(__CUDACC__)
-#define LDET_HD __host__ __device__ __forceinline__
-#else
-#define LDET_HD inline
-#endif
-#endif
+#include "ldet_hd.h"
 
 namespace ldet {
 

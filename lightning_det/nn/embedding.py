@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._swap import swap_class
+
 from ..ops import det_finalize, det_normalize, to_digits
 from ..ops.trust import trusted_fn
 from .grad_digits import add_grad_digits, digit_mode
@@ -91,11 +93,9 @@ class DetEmbedding(nn.Embedding):
     @classmethod
     def from_embedding(cls, emb: nn.Embedding) -> "DetEmbedding":
         """Turns an ``nn.Embedding`` into a DetEmbedding in place, keeping its Parameter."""
-        if not isinstance(emb, nn.Embedding):
-            raise TypeError(f"emb: expected an nn.Embedding, got {type(emb).__name__}")
-        _check_options(emb)
-        emb.__class__ = cls
-        return emb
+        if isinstance(emb, nn.Embedding):
+            _check_options(emb)
+        return swap_class(emb, nn.Embedding, cls, "emb")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ._swap import swap_class
+
 from ..ops import det_gemm, det_gemm_partial
 from ..ops.trust import trusted
 from .grad_digits import add_grad_digits, digit_mode
@@ -84,10 +86,7 @@ class DetLinear(nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "DetLinear":
         """Turns an ``nn.Linear`` into a DetLinear in place, keeping its Parameter objects."""
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
-        linear.__class__ = cls
-        return linear
+        return swap_class(linear, nn.Linear, cls, "linear")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if input.shape[-1] != self.in_features:

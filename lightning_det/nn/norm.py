@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ._swap import swap_class
+
 from ..ops import det_finalize
 from ..ops.trust import trusted_fn
 from .functional import det_col_sums, det_row_sums
@@ -121,10 +123,7 @@ class DetLayerNorm(nn.LayerNorm):
     @classmethod
     def from_layer_norm(cls, ln: nn.LayerNorm) -> "DetLayerNorm":
         """Turns an ``nn.LayerNorm`` into a DetLayerNorm in place, keeping its Parameters."""
-        if not isinstance(ln, nn.LayerNorm):
-            raise TypeError(f"ln: expected an nn.LayerNorm, got {type(ln).__name__}")
-        ln.__class__ = cls
-        return ln
+        return swap_class(ln, nn.LayerNorm, cls, "ln")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         _check_input(self, input)
@@ -149,10 +148,7 @@ class DetRMSNorm(nn.RMSNorm):
     @classmethod
     def from_rms_norm(cls, norm: nn.RMSNorm) -> "DetRMSNorm":
         """Turns an ``nn.RMSNorm`` into a DetRMSNorm in place, keeping its Parameters."""
-        if not isinstance(norm, nn.RMSNorm):
-            raise TypeError(f"norm: expected an nn.RMSNorm, got {type(norm).__name__}")
-        norm.__class__ = cls
-        return norm
+        return swap_class(norm, nn.RMSNorm, cls, "norm")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         _check_input(self, input)
