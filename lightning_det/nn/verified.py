@@ -14,25 +14,25 @@ VERIFIED_MODULES: dict[str, dict] = {
     "Linear": {
         "replacement": "DetLinear",
         "invariances": _COMMON + ["tiling / kernel", "K-sharding", "accumulation (digit mode)", "device"],
-        "verified_on": ["cpu", "cuda (H100)"],
+        "verified_on": ["cpu", "cuda (H100)", "cuda (H200)"],
     },
     "Embedding": {
         "replacement": "DetEmbedding",
         "invariances": _COMMON + ["batch order / split", "accumulation (digit mode)"],
-        "verified_on": ["cpu"],
+        "verified_on": ["cpu", "cuda (H200)"],
     },
     "LayerNorm": {
         "replacement": "DetLayerNorm",
         "invariances": _COMMON + ["accumulation (digit mode)"],
-        "verified_on": ["cpu"],
+        "verified_on": ["cpu", "cuda (H200)"],
     },
     "RMSNorm": {
         "replacement": "DetRMSNorm",
         "invariances": _COMMON + ["accumulation (digit mode)"],
-        "verified_on": ["cpu"],
+        "verified_on": ["cpu", "cuda (H200)"],
     },
-    "GELU": {"replacement": "DetGELU", "invariances": list(_COMMON), "verified_on": ["cpu"]},
-    "SiLU": {"replacement": "DetSiLU", "invariances": list(_COMMON), "verified_on": ["cpu"]},
-    "Tanh": {"replacement": "DetTanh", "invariances": list(_COMMON), "verified_on": ["cpu"]},
-    "ReLU": {"replacement": "DetReLU", "invariances": list(_COMMON), "verified_on": ["cpu"]},
+    "GELU": {"replacement": "DetGELU", "invariances": list(_COMMON), "verified_on": ["cpu", "cuda (H200)"]},
+    "SiLU": {"replacement": "DetSiLU", "invariances": list(_COMMON), "verified_on": ["cpu", "cuda (H200)"]},
+    "Tanh": {"replacement": "DetTanh", "invariances": list(_COMMON), "verified_on": ["cpu", "cuda (H200)"]},
+    "ReLU": {"replacement": "DetReLU", "invariances": list(_COMMON), "verified_on": ["cpu", "cuda (H200)"]},
 }

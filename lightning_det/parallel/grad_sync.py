@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from ..nn.grad_digits import DIGITS_ATTR, grad_digits
-from ..ops import det_all_reduce, det_finalize, det_normalize, to_digits
+from ..ops import det_finalize, det_normalize, to_digits
+from ..ops.distributed import det_all_reduce_windowed
 from ..profile import WORDS
 
 __all__ = ["sync_gradients", "grad_scale_exp"]
@@ -51,7 +52,8 @@ def sync_gradients(
     unverified. Every rank takes part in one int64 all-reduce of one flat buffer.
 
     Returns:
-        {"exact": n, "rounded_only": n, "elements": n, "bytes": n} for logging and benchmarks.
+        {"exact": n, "rounded_only": n, "elements": n, "bytes": n} for logging and benchmarks;
+        "bytes" is what the big all-reduce moved (0 in a single process).
     """
     params = [p for p in params if p.requires_grad]
     if not params:
@@ -69,7 +71,12 @@ def sync_gradients(
         parts.append(acc.reshape(-1, WORDS))
     flat = torch.cat(parts)
     multi = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-    flat = det_all_reduce(flat, group) if multi else det_normalize(flat)
+    # only the digit window the gradients use travels (exact; see det_all_reduce_windowed)
+    bytes_per_element = 0
+    if multi:
+        flat, bytes_per_element = det_all_reduce_windowed(flat, group)
+    else:
+        flat = det_normalize(flat)
     offset = 0
     for p in params:
         n = p.numel()
@@ -79,4 +86,5 @@ def sync_gradients(
         p.grad = det_finalize(acc, dtype, scale_exp=scale_exp)
         if hasattr(p, DIGITS_ATTR):
             delattr(p, DIGITS_ATTR)
-    return {"exact": exact, "rounded_only": rounded, "elements": flat.shape[0], "bytes": flat.numel() * 8}
+    return {"exact": exact, "rounded_only": rounded, "elements": flat.shape[0],
+            "bytes": flat.shape[0] * bytes_per_element}
