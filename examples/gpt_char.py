@@ -256,6 +256,9 @@ def main(argv: Optional[Sequence[str]] = None) -> GPTModule:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    # python, numpy and torch RNGs: their states are part of the digests (nothing here draws from
+    # python/numpy, but an unseeded state would differ between runs)
+    L.seed_everything(args.seed, verbose=False)
     vocab, train_ds, val_ds = make_data(args.seq_len, args.max_chars, args.val_windows)
     train_dl = DataLoader(train_ds, batch_size=args.micro_batch, shuffle=True)  # det_ddp replaces the sampler
     val_dl = DataLoader(val_ds, batch_size=max(1, args.batch_size // args.devices), shuffle=False)
