@@ -29,6 +29,7 @@ CONFIGS = {
     "det-ws2-acc2": ("det_ddp", 2, 2),
     "ddp-ws1": ("ddp", 1, 1),
     "ddp-ws2": ("ddp", 2, 1),
+    "ddp-ws4": ("ddp", 4, 1),
 }
 
 
@@ -87,6 +88,13 @@ def test_plain_ddp_control_differs(runs):
     res = _same(runs, "ddp-ws1", "ddp-ws2")
     assert res["common_steps"] == STEPS
     assert not res["identical"], "plain DDP at world size 1 and 2 should differ (else the test has no teeth)"
+    # ws1 vs ws2 also differ in data order (RandomSampler vs DistributedSampler). At ws2 and ws4
+    # DistributedSampler puts the same samples in each global batch, so there only the
+    # arithmetic differs (float all-reduce of gradients, per-rank float reductions).
+    res = _same(runs, "ddp-ws2", "ddp-ws4")
+    assert not res["identical"], "plain DDP at world size 2 and 4 should differ in its arithmetic"
+    sections = {d["section"] for d in res["differences"]}
+    assert res["step"] == 1 and "grads" in sections, res["differences"][:3]
     # and the control is a different computation from det_ddp's, not a broken run
     assert not _same(runs, "ddp-ws1", "det-ws1")["identical"]
 
