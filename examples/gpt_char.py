@@ -264,7 +264,10 @@ def main(argv: Optional[Sequence[str]] = None) -> GPTModule:
     val_dl = DataLoader(val_ds, batch_size=max(1, args.batch_size // args.devices), shuffle=False)
 
     if args.strategy == "det_ddp":
-        strategy = "det_ddp"
+        from lightning_det.strategy import DeterministicStrategy
+
+        # the seed of its global sample order (DeterministicSampler); strict op audit on step 1
+        strategy = DeterministicStrategy(seed=args.seed, strict=True)
     else:
         strategy = "ddp" if args.devices > 1 else "auto"
     callbacks: list = [FinalReport()]
