@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_det.nn import DetMultiheadSelfAttention, det_exp, det_scaled_dot_product_attention as dsdpa
+from lightning_det.nn import DetMultiheadSelfAttention, det_exp, det_function_mode, det_transform
+from lightning_det.nn import det_scaled_dot_product_attention as dsdpa
 from lightning_det.parallel.audit import OpAudit
 
 
@@ -181,3 +182,23 @@ def test_module_matches_plain_and_passes_audit():
     _close("module out", y, yp, 1e-5)
     for (n, p), (_, pp) in zip(det.named_parameters(), plain.named_parameters()):
         _close(f"grad {n}", p.grad, pp.grad, 1e-4)
+
+
+def test_function_mode_redirects_plain_sdpa():
+    torch.manual_seed(1)
+    det = DetMultiheadSelfAttention(16, 4)
+    plain = det_transform(_PlainMHSA(16, 4))  # DetLinear projections, F.scaled_dot_product_attention inside
+    plain.load_state_dict(det.state_dict())
+    x = torch.randn(3, 7, 16)
+    g = torch.randn(3, 7, 16)
+    with det_function_mode():
+        y = plain(x)
+    y.backward(g)
+    yd = det(x, is_causal=True)
+    yd.backward(g)
+    assert torch.equal(y, yd)
+    for (n, p), (_, pd) in zip(plain.named_parameters(), det.named_parameters()):
+        assert torch.equal(p.grad, pd.grad), n
+    q = torch.randn(1, 2, 4, 8)
+    with det_function_mode(), pytest.raises(ValueError, match="enable_gqa"):
+        F.scaled_dot_product_attention(q, q, q, enable_gqa=True)

@@ -1,7 +1,7 @@
 """Exact modules (no Lightning import): DetLinear and friends, det_transform, and the
 digit-gradient hook for det_ddp."""
 from .activation import DetGELU, DetReLU, DetSiLU, DetTanh
-from .attention import DetMultiheadSelfAttention, det_scaled_dot_product_attention
+from .attention import DetMultiheadSelfAttention, det_function_mode, det_scaled_dot_product_attention
 from .embedding import DetEmbedding
 from .functional import det_col_sums, det_exp, det_gelu, det_relu, det_row_sums, det_silu, det_tanh
 from .grad_digits import add_grad_digits, finalize_grad_digits, grad_digits, set_grad_digits
@@ -21,6 +21,7 @@ __all__ = [
     "DetReLU",
     "DetMultiheadSelfAttention",
     "det_scaled_dot_product_attention",
+    "det_function_mode",
     "det_exp",
     "det_gelu",
     "det_silu",

@@ -37,14 +37,16 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..ops import det_finalize, det_gemm
 from ..ops.trust import trusted_fn
 from .functional import det_exp, det_row_sums
 from .linear import DetLinear
 
-__all__ = ["det_scaled_dot_product_attention", "DetMultiheadSelfAttention"]
+__all__ = ["det_scaled_dot_product_attention", "DetMultiheadSelfAttention", "det_function_mode"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -211,3 +213,27 @@ class DetMultiheadSelfAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, n_heads={self.n_heads}, exact=True"
+
+
+class _DetFunctionMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is F.scaled_dot_product_attention:
+            if kwargs.pop("enable_gqa", False):
+                raise ValueError("enable_gqa: det attention does not support grouped-query attention; "
+                                 "repeat the key/value heads first")
+            return det_scaled_dot_product_attention(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def det_function_mode() -> TorchFunctionMode:
+    """A context manager that sends ``F.scaled_dot_product_attention`` to the det version.
+
+        with det_function_mode():
+            y = model(x)   # its F.scaled_dot_product_attention calls are exact and batch-invariant
+
+    Only that function is redirected (a torch function mode is off inside its own handler, so
+    the det kernels' internals are not touched). Wrap forward and backward's caller alike; the
+    backward itself is the det Function's and needs no mode. Not applied by det_ddp itself.
+    """
+    return _DetFunctionMode()
