@@ -245,6 +245,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if rem or per_rank == 0:
         p.error(f"--batch-size {args.batch_size} must be a positive multiple of devices * accum = "
                 f"{args.devices * args.accum}")
+    if args.strategy == "det_ddp" and args.val_windows % args.devices:
+        # DistributedSampler would pad the validation set with repeats: val_loss would depend on N
+        p.error(f"--val-windows {args.val_windows} must be divisible by --devices {args.devices} under det_ddp")
     if args.d_model % args.n_heads:
         p.error(f"--n-heads {args.n_heads} must divide --d-model {args.d_model}")
     args.micro_batch = per_rank

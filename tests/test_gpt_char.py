@@ -2,7 +2,7 @@
 sizes 1, 2, 4 and with accumulation; the plain-DDP control differs; the entry point runs.
 
 Multi-process runs are subprocesses of the example itself (clean environment, timeout,
-OMP_NUM_THREADS=1), two at a time; each writes DigestCallback digests (loss, grads, params,
+OMP_NUM_THREADS=1), three at a time; each writes DigestCallback digests (loss, grads, params,
 optimizer state, RNG states) for every optimizer step, compared with lightning_det's diff_runs.
 """
 import subprocess
@@ -21,23 +21,35 @@ EXAMPLE = ROOT / "examples" / "gpt_char.py"
 STEPS = 5
 TINY = ["--steps", str(STEPS), "--batch-size", "8", "--seq-len", "16", "--d-model", "32", "--n-layers", "1",
         "--n-heads", "2", "--max-chars", "200000", "--val-windows", "8", "--no-progress-bar"]
-# name -> (strategy, devices, accum)
+# name -> (strategy, devices, accum, precision)
 CONFIGS = {
-    "det-ws1": ("det_ddp", 1, 1),
-    "det-ws2": ("det_ddp", 2, 1),
-    "det-ws4": ("det_ddp", 4, 1),
-    "det-ws2-acc2": ("det_ddp", 2, 2),
-    "ddp-ws1": ("ddp", 1, 1),
-    "ddp-ws2": ("ddp", 2, 1),
-    "ddp-ws4": ("ddp", 4, 1),
+    "det-ws1": ("det_ddp", 1, 1, "32-true"),
+    "det-ws2": ("det_ddp", 2, 1, "32-true"),
+    "det-ws4": ("det_ddp", 4, 1, "32-true"),
+    "det-ws2-acc2": ("det_ddp", 2, 2, "32-true"),
+    "det-bf16-ws1": ("det_ddp", 1, 1, "bf16-true"),  # bf16 weights, AdamWSR
+    "det-bf16-ws2": ("det_ddp", 2, 1, "bf16-true"),
+    "ddp-ws1": ("ddp", 1, 1, "32-true"),
+    "ddp-ws2": ("ddp", 2, 1, "32-true"),
+    "ddp-ws4": ("ddp", 4, 1, "32-true"),
 }
 
 
+def _example():
+    """examples/gpt_char.py as a module (examples/ is not a package)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import gpt_char
+    finally:
+        sys.path.pop(0)
+    return gpt_char
+
+
 def _launch(name, root):
-    strategy, devices, accum = CONFIGS[name]
+    strategy, devices, accum, precision = CONFIGS[name]
     out = root / name
     cmd = [sys.executable, str(EXAMPLE), "--strategy", strategy, "--devices", str(devices), "--accum", str(accum),
-           "--digests", str(out), *TINY]
+           "--precision", precision, "--digests", str(out), *TINY]
     proc = subprocess.run(cmd, env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -48,7 +60,7 @@ def _launch(name, root):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpt_char")
-    with ThreadPoolExecutor(max_workers=2) as pool:  # two runs at a time on a 2-core machine
+    with ThreadPoolExecutor(max_workers=3) as pool:  # runs spend most of their time starting up
         done = dict(zip(CONFIGS, pool.map(lambda n: _launch(n, root), CONFIGS)))
     return {n: (load_run(path), final) for n, (path, final) in done.items()}
 
@@ -62,13 +74,14 @@ def _final(runs, name, keys):
     return {k: fields[k] for k in keys}
 
 
-@pytest.mark.parametrize("other", ["det-ws2", "det-ws4"])
-def test_det_ddp_identical_at_every_step(runs, other):
-    res = _same(runs, "det-ws1", other)
+@pytest.mark.parametrize("base,other", [("det-ws1", "det-ws2"), ("det-ws1", "det-ws4"),
+                                        ("det-bf16-ws1", "det-bf16-ws2")])
+def test_det_ddp_identical_at_every_step(runs, base, other):
+    res = _same(runs, base, other)
     assert res["common_steps"] == STEPS, res
-    assert res["identical"], f"det-ws1 vs {other}: first difference {res.get('step')}: {res.get('differences')}"
+    assert res["identical"], f"{base} vs {other}: first difference {res.get('step')}: {res.get('differences')}"
     # the final line (train/val loss, weights hash) matches too: validation is world-size invariant
-    assert runs["det-ws1"][1] and runs["det-ws1"][1] == runs[other][1]
+    assert runs[base][1] and runs[base][1] == runs[other][1]
 
 
 def test_det_ddp_accumulation_identical_at_every_step(runs):
@@ -103,11 +116,7 @@ def test_entry_point_in_process_bf16_adamwsr():
     """main(argv) end to end in this process: bf16-true weights with AdamWSR, world size 1."""
     import torch.distributed as dist
 
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import gpt_char
-    finally:
-        sys.path.pop(0)
+    gpt_char = _example()
     try:
         module = gpt_char.main(["--precision", "bf16-true", "--steps", "2", "--batch-size", "4", "--seq-len", "8",
                                 "--d-model", "16", "--n-layers", "1", "--n-heads", "2", "--max-chars", "50000",
@@ -124,11 +133,7 @@ def test_entry_point_in_process_bf16_adamwsr():
 
 
 def test_data_split_is_fixed():
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import gpt_char
-    finally:
-        sys.path.pop(0)
+    gpt_char = _example()
     vocab, train, val = gpt_char.make_data(16, 20000, 4)
     vocab2, train2, val2 = gpt_char.make_data(16, 20000, 4)
     assert vocab == vocab2 and torch.equal(train.ids, train2.ids) and torch.equal(val.ids, val2.ids)
