@@ -160,7 +160,8 @@ LDET_HD double sech2(double x) {
 
 // Activation codes shared by the op schema (csrc/schema/detmath.cpp) and Python
 // (lightning_det/nn/functional.py).
-enum ActKind { kActGeluErf = 0, kActGeluTanh = 1, kActSilu = 2, kActTanh = 3 };
+// kActExp is not an activation module: it is the exp of the det softmax (lightning_det/nn/attention.py).
+enum ActKind { kActGeluErf = 0, kActGeluTanh = 1, kActSilu = 2, kActTanh = 3, kActExp = 4 };
 
 LDET_HD double act_forward(double x, int kind) {
   if (kind == kActGeluErf) return x * dm::norm_cdf(x);
@@ -176,6 +177,7 @@ LDET_HD double act_forward(double x, int kind) {
     dm::sigmoid_pair(x, &s, &sm);
     return x * s;
   }
+  if (kind == kActExp) return dm::exp(x);
   return dm::tanh(x);
 }
 
@@ -194,6 +196,7 @@ LDET_HD double act_derivative(double x, int kind) {
     dm::sigmoid_pair(x, &s, &sm);
     return s * (1.0 + x * sm);
   }
+  if (kind == kActExp) return dm::exp(x);
   return dm::sech2(x);
 }
 

@@ -1,8 +1,9 @@
 """Exact modules (no Lightning import): DetLinear and friends, det_transform, and the
 digit-gradient hook for det_ddp."""
 from .activation import DetGELU, DetReLU, DetSiLU, DetTanh
+from .attention import DetMultiheadSelfAttention, det_function_mode, det_scaled_dot_product_attention
 from .embedding import DetEmbedding
-from .functional import det_col_sums, det_gelu, det_relu, det_row_sums, det_silu, det_tanh
+from .functional import det_col_sums, det_exp, det_gelu, det_relu, det_row_sums, det_silu, det_tanh
 from .grad_digits import add_grad_digits, finalize_grad_digits, grad_digits, set_grad_digits
 from .linear import DetLinear
 from .norm import DetLayerNorm, DetRMSNorm
@@ -18,6 +19,10 @@ __all__ = [
     "DetSiLU",
     "DetTanh",
     "DetReLU",
+    "DetMultiheadSelfAttention",
+    "det_scaled_dot_product_attention",
+    "det_function_mode",
+    "det_exp",
     "det_gelu",
     "det_silu",
     "det_tanh",

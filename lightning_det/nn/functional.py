@@ -17,9 +17,9 @@ import torch
 from .. import _build
 from ..ops.longacc import LongAcc, _check_float
 
-__all__ = ["det_gelu", "det_silu", "det_tanh", "det_relu", "det_row_sums", "det_col_sums"]
+__all__ = ["det_gelu", "det_silu", "det_tanh", "det_relu", "det_exp", "det_row_sums", "det_col_sums"]
 
-_KINDS = {"gelu_erf": 0, "gelu_tanh": 1, "silu": 2, "tanh": 3}
+_KINDS = {"gelu_erf": 0, "gelu_tanh": 1, "silu": 2, "tanh": 3, "exp": 4}
 _WORDS = 19
 
 
@@ -48,6 +48,15 @@ def det_silu(x: torch.Tensor) -> torch.Tensor:
 def det_tanh(x: torch.Tensor) -> torch.Tensor:
     """tanh, as ``torch.tanh``."""
     return _act(x, _KINDS["tanh"])
+
+
+def det_exp(x: torch.Tensor) -> torch.Tensor:
+    """exp, as ``torch.exp``: fp64 ``detmath.h`` exp (relative error ~1e-16) rounded once.
+
+    Used by the det softmax of :mod:`lightning_det.nn.attention`; exp(-inf) is +0.0, exp(nan)
+    is nan, overflow gives +inf.
+    """
+    return _act(x, _KINDS["exp"])
 
 
 def det_relu(x: torch.Tensor) -> torch.Tensor:
