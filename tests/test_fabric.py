@@ -1,0 +1,23 @@
+"""Fabric(strategy="det_ddp"): the same world-size and accumulation invariance as the Trainer."""
+import sys
+
+from conftest import run_cmd
+
+
+def steps(devices, accum, clip=0.0):
+    out = run_cmd([sys.executable, "tests/helpers/fabric_run.py", devices, accum, clip], timeout=600).stdout
+    lines = [l for l in out.splitlines() if l.startswith("step ")]
+    assert len(lines) == 4, out[-2000:]
+    return lines
+
+
+def test_fabric_world_size_and_accumulation_invariance():
+    base = steps(1, 1)
+    assert steps(2, 1) == base, "world size 2 differs"
+    assert steps(1, 2) == base, "accumulation 2 differs"
+
+
+def test_fabric_exact_clipping_is_invariant():
+    clipped = steps(1, 1, 0.05)
+    assert clipped != steps(1, 1), "the clip value must actually clip"
+    assert steps(2, 1, 0.05) == clipped
