@@ -193,7 +193,8 @@ class GPTModule(L.LightningModule):
 
     def configure_optimizers(self):
         a = self.args
-        if a.precision == "bf16-true":
+        use_sr = a.optimizer == "adamwsr" or (a.optimizer == "auto" and a.precision == "bf16-true")
+        if use_sr:
             from lightning_det.optim import AdamWSR
 
             # bf16 weights without an fp32 master copy: stochastic rounding keeps small updates
@@ -230,6 +231,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--n-layers", type=int, default=2)
     p.add_argument("--n-heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--optimizer", choices=["auto", "adamw", "adamwsr"], default="auto",
+                   help="auto: AdamWSR under bf16-true (no master copy), torch AdamW otherwise; "
+                        "adamw under bf16-true is the round-to-nearest baseline")
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0, help="weights and data order")
     p.add_argument("--val-every", type=int, default=0, help="validate every this many optimizer steps (0: at the end)")
