@@ -267,7 +267,15 @@ def main(argv: Optional[Sequence[str]] = None) -> GPTModule:
     # python/numpy, but an unseeded state would differ between runs)
     L.seed_everything(args.seed, verbose=False)
     vocab, train_ds, val_ds = make_data(args.seq_len, args.max_chars, args.val_windows)
-    train_dl = DataLoader(train_ds, batch_size=args.micro_batch, shuffle=True)  # det_ddp replaces the sampler
+    if args.strategy == "ddp" and args.devices == 1:
+        # one process without det_ddp: the same global sample order det_ddp uses, so quality runs
+        # compare arithmetic, not data order (Lightning keeps a sampler it is given at one device)
+        from lightning_det.data import DeterministicSampler
+
+        sampler = DeterministicSampler(len(train_ds), args.micro_batch, seed=args.seed)
+        train_dl = DataLoader(train_ds, batch_size=args.micro_batch, sampler=sampler)
+    else:
+        train_dl = DataLoader(train_ds, batch_size=args.micro_batch, shuffle=True)  # det_ddp replaces the sampler
     val_dl = DataLoader(val_ds, batch_size=max(1, args.batch_size // args.devices), shuffle=False)
 
     if args.strategy == "det_ddp":
