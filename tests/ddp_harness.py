@@ -124,8 +124,6 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    finally:  # tear the process group down before exit, so no rank dies inside gloo's teardown
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    from lightning_det.parallel.env import run_then_destroy_process_group
+
+    run_then_destroy_process_group(main)

@@ -45,3 +45,18 @@ def apply_strict_environment() -> dict:
         float32_matmul_precision="highest",
     )
     return applied
+
+
+def run_then_destroy_process_group(main, *args, **kwargs):
+    """Runs ``main(*args, **kwargs)`` and then destroys the default process group, if any.
+
+    Lightning leaves the group alive at exit; a rank that then dies inside gloo's teardown
+    ("terminate called without an active exception") fails a run that had finished.
+    """
+    import torch.distributed as dist
+
+    try:
+        return main(*args, **kwargs)
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()

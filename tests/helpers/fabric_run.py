@@ -44,9 +44,9 @@ def main(devices: int, accum: int, clip: float) -> None:
         h = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
         if fabric.global_rank == 0:
             print(f"step {step + 1} {h}", flush=True)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]))
+    from lightning_det.parallel.env import run_then_destroy_process_group
+
+    run_then_destroy_process_group(main, int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]))
