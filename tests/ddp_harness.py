@@ -33,10 +33,22 @@ def weights_digest(module) -> str:
     return h.hexdigest()
 
 
+class SdpaBlock(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)  # (B, 1 head, L, dim)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).squeeze(1)
+
+
 def make_model(kind: str, vocab: int, dim: int, classes: int) -> nn.Module:
     if kind == "mlp":  # Embedding -> LayerNorm -> Linear -> GELU -> Linear
         return nn.Sequential(nn.Embedding(vocab, dim), nn.Flatten(), nn.LayerNorm(4 * dim), nn.Linear(4 * dim, 64),
                              nn.GELU(), nn.Linear(64, classes))
+    if kind == "attn":  # a user-written attention calling F.scaled_dot_product_attention directly
+        return nn.Sequential(nn.Embedding(vocab, dim), SdpaBlock(dim), nn.Flatten(), nn.Linear(4 * dim, classes))
     if kind == "linear":  # Linear/ReLU only
         return nn.Sequential(nn.Flatten(), nn.Linear(4 * dim, 64), nn.ReLU(), nn.Linear(64, classes))
     raise ValueError(kind)

@@ -234,6 +234,7 @@ def det_function_mode() -> TorchFunctionMode:
 
     Only that function is redirected (a torch function mode is off inside its own handler, so
     the det kernels' internals are not touched). Wrap forward and backward's caller alike; the
-    backward itself is the det Function's and needs no mode. Not applied by det_ddp itself.
+    backward itself is the det Function's and needs no mode. det_ddp applies it around every
+    training and validation step.
     """
     return _DetFunctionMode()

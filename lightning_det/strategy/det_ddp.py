@@ -11,6 +11,8 @@ How it differs from Lightning's DDPStrategy:
   (N a power of two), or the loss comes from ``lightning_det.global_mean`` (any N);
 - one global, world-size independent sample order (``DeterministicSampler``): rank r gets its
   slice of every global batch;
+- ``F.scaled_dot_product_attention`` in the model runs through the exact attention kernel
+  (``det_function_mode`` around training and validation steps);
 - gradient-norm clipping is exact (``clip_grad_norm_exact_``); ``self.log(..., sync_dist=True)``
   and ``reduce`` are exact reductions;
 - strict environment (deterministic algorithms, TF32 off, cuBLAS workspace, NCCL pinned);
@@ -28,6 +30,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
+from ..nn.attention import det_function_mode
 from ..nn.grad_digits import set_grad_digits
 from ..optim.clip import clip_grad_norm_exact_
 from ..parallel.audit import OpAudit
@@ -165,6 +168,15 @@ class DeterministicStrategy(DDPStrategy):
         self.det_verified = not self.det_unverified_reasons
         self.det_last_sync = stats
         return stats
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        # F.scaled_dot_product_attention calls in the user's model go to the exact kernel
+        with det_function_mode():
+            return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with det_function_mode():
+            return super().validation_step(*args, **kwargs)
 
     # ---- logging -------------------------------------------------------------------------
     def reduce(self, tensor, group=None, reduce_op="mean"):
