@@ -12,18 +12,11 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
+from conftest import clean_env
 
 HARNESS = Path(__file__).with_name("ddp_harness.py")
 ROOT = HARNESS.parent.parent
 MODEL = os.environ.get("LDET_DDP_TEST_MODEL", "mlp")
-
-
-def clean_env():
-    keep = {"PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "LIGHTNING_DET_BUILD_DIR", "PYTHONPATH", "VIRTUAL_ENV"}
-    env = {k: v for k, v in os.environ.items() if k in keep}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", PL_DISABLE_FORK="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return env
 
 
 @lru_cache(maxsize=None)
@@ -38,7 +31,7 @@ def run(devices=1, accum=1, strategy="det_ddp", loss="global", clip=0.0, transfo
         cmd.append("--no-transform")
     if not strict:
         cmd.append("--non-strict")
-    proc = subprocess.run(cmd, env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, env=clean_env(MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1"), cwd=ROOT, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"run failed ({' '.join(cmd[2:])}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     rows = [json.loads(line) for line in out.read_text().splitlines()]

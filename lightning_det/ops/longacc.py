@@ -169,14 +169,14 @@ def det_combine(accs: Sequence[LongAcc] | Iterable[LongAcc]) -> LongAcc:
             raise ValueError(f"accs[{i}]: expected shape {tuple(accs[0].shape)} like accs[0], got {tuple(a.shape)}")
         if a.device != accs[0].device:
             raise ValueError(f"accs[{i}]: expected device {accs[0].device} like accs[0], got {a.device}")
-    total = accs[0].clone()
-    # Normalize inside the headroom bound (longacc.h): canonical inputs are < 2^32 per digit, so
-    # 2^30 of them at a time can never overflow int64. The status words are counters too.
-    for start in range(1, len(accs), _MAX_COMBINE):
+    # Canonical inputs are < 2^32 per digit: summing 2^30 of them at a time can never overflow
+    # int64 (longacc.h); normalizing after each chunk keeps the next chunk inside the headroom too.
+    total = accs[0]
+    for start in range(1, max(len(accs), 2), _MAX_COMBINE):
         for a in accs[start : start + _MAX_COMBINE]:
-            total += a
+            total = total + a
         total = _ops().normalize(total)
-    return _ops().normalize(total) if len(accs) == 1 else total
+    return total
 
 
 def det_finalize(acc: LongAcc, dtype: torch.dtype = torch.float32, *, scale_exp: int = 0) -> torch.Tensor:
