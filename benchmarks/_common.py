@@ -74,9 +74,10 @@ def header(device: str) -> dict:
     }
 
 
-def write(name: str, device: str, rows: list, extra: dict | None = None) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"{device_slug(device)}-{name}.json"
+def write(name: str, device: str, rows: list, extra: dict | None = None, path: str | Path | None = None) -> Path:
+    """Header + rows as JSON at ``path``, default benchmarks/results/<device slug>-<name>.json."""
+    out = Path(path) if path else RESULTS / f"{device_slug(device)}-{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     doc = header(device)
     if extra:
         doc.update(extra)

@@ -1,12 +1,31 @@
 """det_gemm throughput against torch.mm, same shapes, same device, one run.
 
-    python benchmarks/gemm.py                # CPU at 512^3
-    python benchmarks/gemm.py --device cuda  # GPU at 1024^3 and 4096^3 (and CPU rows too)
+    python benchmarks/gemm.py                # CPU at 512^3, normal data
+    python benchmarks/gemm.py --device cuda  # GPU at 1024^3 and 4096^3: normal, real and wide data
+    python benchmarks/gemm.py --sizes 256 --data normal,real --out /tmp/gemm.json
 
-Writes benchmarks/results/<device>-gemm.json with rows of
-{op, dtype, data, M, N, K, ours_tflops, baseline_tflops, ratio, baseline, fp32_mm_tflops}.
+Writes benchmarks/results/<device>-gemm.json (or --out) with rows of
+{op, dtype, data, M, N, K, ours_tflops, baseline_tflops, ratio, baseline, fp32_mm_tflops, source,
+x_log2_span, w_log2_span}.
 The baseline is torch.mm in the same dtype (fp32 with TF32 off); fp32_mm_tflops is torch.mm in
 fp32 on the same shape, the yardstick of the performance issue.
+
+Data kinds (--data), each an (M, K) x and an (N, K) w for det_gemm(x, w) = x @ w.T:
+  normal  torch.randn, seeds 1 and 2 (fp32 and bf16).
+  wide    adversarial: |values| in [1, 2) * 2^e, e uniform in [-40, 40], random signs; defeats the
+          fast path (bf16 only).
+  real    values of the example model (examples/gpt_char.py after a short fp32 CPU training run;
+          benchmarks/_real_data.py says exactly how they are captured), one layer per --layers
+          entry and one row per GEMM of that layer (fp32 and bf16, rounded to nearest from fp32):
+            fwd    x = input activations (tokens x in),   w = weight (out x in)
+            dgrad  x = output gradients (tokens x out),   w = weight transposed (in x out)
+            wgrad  x = output gradients^T (out x tokens), w = activations^T (in x tokens)
+          Each operand: rows sampled with replacement (seeded) from the source matrix's rows;
+          column j is source column j mod C (so K beyond the source width tiles each row; the
+          capture has 4096 tokens, so wgrad's K up to 4096 is real tokens, untiled).
+          The row's "source" says which layer, GEMM, source matrices and fill rule.
+x_log2_span / w_log2_span: log2(max |v|) - log2(min nonzero |v|) of the operand as benchmarked,
+the exponent spread the exact fast path has to cover.
 """
 from __future__ import annotations
 
@@ -20,23 +39,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import time_fn, write  # noqa: E402
 
+import _real_data  # noqa: E402
+
 from lightning_det.ops import det_gemm  # noqa: E402
 
 
-def make(kind, shape, dtype, device, seed):
+DTYPES = {"normal": (torch.float32, torch.bfloat16), "wide": (torch.bfloat16,), "real": (torch.float32, torch.bfloat16)}
+
+
+def synthetic(kind, shape, seed):
     g = torch.Generator(device="cpu").manual_seed(seed)
     if kind == "normal":
-        t = torch.randn(shape, generator=g)
-    elif kind == "wide":  # adversarial: exponents spread over [-40, 40] defeat the fast path
+        return torch.randn(shape, generator=g)
+    if kind == "wide":  # adversarial: exponents spread over [-40, 40] defeat the fast path
         t = (torch.rand(shape, generator=g) + 1) * torch.pow(2.0, torch.randint(-40, 41, shape, generator=g).float())
-        t = t * (torch.randint(0, 2, shape, generator=g) * 2 - 1)
-    else:
-        raise ValueError(kind)
-    return t.to(dtype).to(device)
+        return t * (torch.randint(0, 2, shape, generator=g) * 2 - 1)
+    raise ValueError(kind)
 
 
-def bench(device, M, N, K, dtype, kind, repeat):
-    x, w = make(kind, (M, K), dtype, device, 1), make(kind, (N, K), dtype, device, 2)
+def cases(kind, M, N, K, layers):
+    """(x, w, source) fp32 CPU operand pairs of one data kind, made one at a time (4096^2 fp32 is 64 MiB)."""
+    if kind == "real":
+        return (_real_data.operands(layer, gemm, M, N, K) for layer in layers for gemm in _real_data.GEMMS)
+    how = {"normal": "torch.randn", "wide": "wide exponents [-40, 40]"}[kind]
+    return [(synthetic(kind, (M, K), 1), synthetic(kind, (N, K), 2), {"x": f"{how} seed 1", "w": f"{how} seed 2"})]
+
+
+def log2_span(t):
+    """Bits between the largest and the smallest nonzero magnitude (None if all zero)."""
+    a = t.abs().float()
+    nz = a[a > 0]
+    return None if nz.numel() == 0 else float(torch.log2(nz.max()) - torch.log2(nz.min()))
+
+
+def bench(device, x, w, dtype, kind, source, repeat):
+    x, w = x.to(dtype).to(device), w.to(dtype).to(device)
+    (M, K), N = x.shape, w.shape[0]
     flops = 2.0 * M * N * K
     ours = time_fn(lambda: det_gemm(x, w), device, warmup=1, repeat=repeat)
     base = time_fn(lambda: torch.mm(x, w.T), device, warmup=2, repeat=max(repeat, 5))
@@ -47,33 +85,53 @@ def bench(device, M, N, K, dtype, kind, repeat):
         "ours_tflops": flops / ours / 1e12, "baseline_tflops": flops / base / 1e12,
         "ratio": base / ours, "baseline": f"torch.mm {str(dtype).replace('torch.', '')}",
         "fp32_mm_tflops": flops / fp32 / 1e12, "ratio_vs_fp32_mm": fp32 / ours,
+        "source": source, "x_log2_span": log2_span(x), "w_log2_span": log2_span(w),
     }
-    print(f"{row['op']:9s} {row['dtype']:9s} {kind:7s} {M:5d}x{N:5d}x{K:5d}  ours {row['ours_tflops']:9.4f} TF/s  "
+    what = f"{kind} {source['layer']} {source['gemm']}" if kind == "real" else kind
+    print(f"{row['op']:9s} {row['dtype']:9s} {what:28s} {M:5d}x{N:5d}x{K:5d}  ours {row['ours_tflops']:9.4f} TF/s  "
           f"torch.mm {row['baseline_tflops']:9.3f}  ratio {row['ratio']:.4f}  vs fp32 mm {row['ratio_vs_fp32_mm']:.4f}",
           flush=True)
     return row
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--sizes", default=None, help="comma-separated cube sizes (default: 512 on CPU, 1024,4096 on GPU)")
+    p.add_argument("--data", default=None,
+                   help="comma-separated data kinds among normal, real, wide (default: normal on CPU, "
+                        "normal,real,wide on GPU)")
+    p.add_argument("--layers", default="blocks.1.mlp.0",
+                   help="comma-separated gpt_char nn.Linear names whose values the real kind uses "
+                        "(e.g. blocks.1.attn.qkv, blocks.1.mlp.2, head)")
+    p.add_argument("--out", default=None, help="results path (default: benchmarks/results/<device>-gemm.json)")
     args = p.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    gpu = args.device == "cuda"
+    sizes = [int(s) for s in (args.sizes or ("1024,4096" if gpu else "512")).split(",")]
+    kinds = (args.data or ("normal,real,wide" if gpu else "normal")).split(",")
+    unknown = set(kinds) - set(DTYPES)
+    if unknown:
+        p.error(f"--data: unknown kind(s) {sorted(unknown)}; choose among {sorted(DTYPES)}")
+    layers = args.layers.split(",")
+    extra = {}
+    if "real" in kinds:  # captured once, on the CPU, before any timing
+        meta = _real_data.capture()["meta"]
+        missing = set(layers) - set(meta["layers"])
+        if missing:
+            p.error(f"--layers: {sorted(missing)} not in the model; it has {sorted(meta['layers'])}")
+        extra["real_capture"] = meta
+        print(f"real data: gpt_char d_model {meta['d_model']}, {meta['steps']} fp32 steps on the CPU "
+              f"(loss {meta['first_loss']:.3f} -> {meta['last_loss']:.3f}), {meta['tokens']} tokens captured "
+              f"in {meta['seconds']} s", flush=True)
     rows = []
-    if args.device == "cpu":
-        sizes = [int(s) for s in (args.sizes or "512").split(",")]
-        for n in sizes:
-            for dt in (torch.float32, torch.bfloat16):
-                rows.append(bench("cpu", n, n, n, dt, "normal", repeat=3))
-    else:
-        sizes = [int(s) for s in (args.sizes or "1024,4096").split(",")]
-        for n in sizes:
-            for dt in (torch.float32, torch.bfloat16):
-                rows.append(bench("cuda", n, n, n, dt, "normal", repeat=3))
-            rows.append(bench("cuda", n, n, n, torch.bfloat16, "wide", repeat=3))
-    out = write("gemm", args.device, rows)
+    for n in sizes:
+        for kind in kinds:
+            for x, w, source in cases(kind, n, n, n, layers):
+                for dt in DTYPES[kind]:
+                    rows.append(bench(args.device, x, w, dt, kind, source, repeat=3))
+    out = write("gemm", args.device, rows, extra=extra, path=args.out)
     print(f"wrote {out}")
 
 
