@@ -105,3 +105,26 @@ def test_detlinear_cuda_matches_cpu(dtype):
     assert_bitwise(xg.grad.cpu(), xc.grad, "dX")
     assert_bitwise(gpu.weight.grad.cpu(), cpu.weight.grad, "dW")
     assert_bitwise(gpu.bias.grad.cpu(), cpu.bias.grad, "db")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("K", [1000, 1003])  # 1003: not a multiple of the 16-byte chunk, element-wise staging
+def test_cuda_mixed_paths_in_one_tile(dtype, K):
+    # Most (output, K-block) pairs take the tensor-core path; a few rows and columns are pushed
+    # off it (wide spread, a tiny value, an inf), so one 64 x 64 tile mixes fast, exact, skip and
+    # special decisions output by output. Shapes cross tile edges in M and N.
+    x, w = gen.normal((130, K), dtype, 40), gen.normal((70, K), dtype, 41)
+    x[5, 100:110] *= 2.0 ** 30
+    x[64, 7] = 2.0 ** -60
+    x[100, 64:96] = 0.0  # an empty row block
+    w[3, 500] *= 2.0 ** -40
+    if dtype == torch.bfloat16:  # fp32 with an inf skips the 12-bit split: keep fp32 on the fast path
+        w[69, 998] = float("inf")
+    acc_cpu = det_gemm_partial(x, w)
+    acc_gpu = det_gemm_partial(x.cuda(), w.cuda())
+    assert torch.equal(acc_cpu, acc_gpu.cpu())
+    assert torch.equal(det_gemm_partial(x.cuda(), w.cuda(), _norm_interval=1), acc_gpu)
+    full = det_gemm(x.cuda(), w.cuda())
+    assert_bitwise(full.cpu(), det_gemm(x, w), "det_gemm CPU vs CUDA")
+    for m in (1, 63, 65):
+        assert_bitwise(det_gemm(x[:m].cuda(), w.cuda()), full[:m], f"rows {m}")

@@ -1,15 +1,24 @@
 // CUDA exact GEMM (schemas: csrc/schema/gemm.cpp; algorithm: csrc/gemm_common.h).
 //
-// v1 structure (see benchmarks/NOTES.md for the floor and the measurements):
-//   1. a statistics kernel: per (row, 32-wide K-block) exponent bounds of x and of w;
-//   2. the main kernel: 64 x 64 output tile per block of 256 threads, 4 x 4 outputs per
-//      thread, K staged through shared memory as fp64 in steps of LDET_KBLOCK. A K-block on
-//      the fast path is 32 DFMAs per output into a block sum that is exact by construction,
-//      then one TwoSum into the running sum S; other blocks go product by product (TwoSum, and
-//      the rounding error into the per-output digits, which live in local memory and are
-//      touched only then). The digits are normalized at the end and rounded in the same thread
-//      (det_gemm) or written out (det_gemm_partial).
-// The canonical digits are unique, so results equal the CPU's bit for bit.
+// v2 structure (benchmarks/NOTES.md has the floor, the predictions and the measurements):
+//   1. a statistics kernel: per (32-wide K-block, row) exponent bounds of x and of w, stored
+//      K-block-major so the main kernel reads a tile's statistics with coalesced loads;
+//   2. the main kernel: 64 x 64 output tile per block of 4 warps, each warp a 32 x 32 sub-tile
+//      computed with fp64 tensor-core MMA (mma.sync m16n8k8 on sm_90, m8n8k4 steps on sm_80-89). K is staged through shared
+//      memory as fp64 one K-block at a time, the next block's global loads in flight while the
+//      tensor cores work on this one. For every (output, K-block) the statistics decide:
+//        fast   the block's products provably sum exactly in fp64 (LDET_FAST_SPREAD), so the
+//               MMA's block sum is the exact block sum whatever order the hardware adds in
+//               (every partial sum is representable: nothing is ever rounded); it enters the
+//               running sum S through one TwoSum;
+//        exact  product by product from shared memory (TwoSum, rounding errors to the digits);
+//        skip   a row or column block of zeros without specials: contributes nothing.
+//      A thread first checks the bound for all its outputs at once (4 row and 8 column
+//      statistics); only when that fails does it decide output by output.
+//   The per-output digits live in local memory and are touched only when a TwoSum leaves a
+//   rounding error or an exact-path product arrives; they are zeroed on first touch, so an
+//   output whose digits were never needed costs no digit traffic at all.
+// The canonical digits are unique, so results equal the CPU's bit for bit, whichever path ran.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
@@ -17,6 +26,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <torch/library.h>
+
+#include <cstdint>
 
 #include "gemm_common.h"
 #include "op_checks.h"
@@ -26,14 +37,42 @@ namespace ldet {
 namespace {
 
 constexpr int BM = 64, BN = 64, BK = LDET_KBLOCK;
-constexpr int THREADS = 256;
-constexpr int RM = 4, RN = 4;  // outputs per thread
+constexpr int WARPS = 4, THREADS = 32 * WARPS;
+constexpr int WM = 32, WN = 32;            // warp sub-tile
+constexpr int TM = WM / 8, TN = WN / 8;    // row slots (8 rows apart) and 8-column groups per warp
+constexpr int NOUT = TM * TN * 2;          // outputs per thread: 4 rows x 8 columns
+constexpr int SK = BK + 4;                 // smem row stride in doubles: conflict-free fragments
+constexpr int ADDS = LDET_WORDS;           // local digit slot holding the addition counter
+static_assert(NOUT <= 32, "the touched-digits mask is 32 bits");
 
 __device__ __forceinline__ double to_d(float v) { return double(v); }
 __device__ __forceinline__ double to_d(__nv_bfloat16 v) { return double(__bfloat162float(v)); }
 __device__ __forceinline__ double to_d(__half v) { return double(__half2float(v)); }
 
-// One thread per (row, K-block).
+// c += a * b over one m16n8k8 tile (fp64 tensor cores). Called only on blocks whose exactness
+// bound holds, where the result cannot depend on how the hardware orders or fuses the adds.
+// Fragments (g = lane / 4, t = lane % 4): a = A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4];
+// b = B[t][g], B[t+4][g]; c = C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1].
+// sm_90 has the m16n8k8 shape; sm_80-89 get the same tile from four m8n8k4 steps.
+__device__ __forceinline__ void mma_16x8x8(double (&c)[4], const double (&a)[4], const double (&b)[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm("mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+d"(c[0]), "+d"(c[1]), "+d"(c[2]), "+d"(c[3])
+      : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(b[0]), "d"(b[1]));
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define LDET_MMA884(c0, c1, a, b) \
+  asm("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};\n" : "+d"(c0), "+d"(c1) : "d"(a), "d"(b))
+  LDET_MMA884(c[0], c[1], a[0], b[0]);
+  LDET_MMA884(c[0], c[1], a[2], b[1]);
+  LDET_MMA884(c[2], c[3], a[1], b[0]);
+  LDET_MMA884(c[2], c[3], a[3], b[1]);
+#undef LDET_MMA884
+#else
+  (void)c, (void)a, (void)b;
+#endif
+}
+
+// One thread per (row, K-block); output is K-block-major: out[kb * rows + r].
 template <typename T>
 __global__ void stats_kernel(const T* __restrict__ a, int64_t rows, int64_t K, int64_t nkb, int32_t* __restrict__ out) {
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -42,122 +81,267 @@ __global__ void stats_kernel(const T* __restrict__ a, int64_t rows, int64_t K, i
   StatAcc s;
   const int64_t k1 = min(K, (kb + 1) * BK);
   for (int64_t k = kb * BK; k < k1; ++k) s.add(to_d(a[r * K + k]));
-  out[idx] = s.packed();
+  out[kb * rows + r] = s.packed();
+}
+
+// A tile's operand (64 rows x BK) moves global -> registers -> shared memory as 16-byte chunks
+// of VEC elements; with K a multiple of VEC and aligned bases one vector load each, otherwise
+// element by element. Out-of-range elements are zeros (they add nothing and are ignored by the
+// statistics, which the statistics kernel computed over the real elements only).
+template <typename T>
+struct Stager {
+  static constexpr int VEC = 16 / sizeof(T);
+  static constexpr int PER_ROW = BK / VEC;
+  static constexpr int CHUNKS = (64 * PER_ROW) / THREADS;  // per thread
+  uint4 reg[CHUNKS];
+
+  __device__ __forceinline__ void load(const T* __restrict__ p, int64_t rows, int64_t K, int64_t r0, int64_t k0,
+                                       bool vec_ok) {
+#pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+      const int c = threadIdx.x + i * THREADS;
+      const int64_t r = r0 + c / PER_ROW, k = k0 + (c % PER_ROW) * VEC;
+      if (vec_ok) {
+        reg[i] = (r < rows && k < K) ? *reinterpret_cast<const uint4*>(p + r * K + k) : make_uint4(0, 0, 0, 0);
+      } else {
+        T tmp[VEC];
+        memset(tmp, 0, sizeof(tmp));  // +0.0 in every format (no float -> T conversion in torch's builds)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j)
+          if (r < rows && k + j < K) tmp[j] = p[r * K + k + j];
+        memcpy(&reg[i], tmp, 16);
+      }
+    }
+  }
+
+  __device__ __forceinline__ void store(double (*sh)[SK]) const {
+#pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+      const int c = threadIdx.x + i * THREADS;
+      T tmp[VEC];
+      memcpy(tmp, &reg[i], 16);
+      double* dst = &sh[c / PER_ROW][(c % PER_ROW) * VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; j += 2) *reinterpret_cast<double2*>(dst + j) = make_double2(to_d(tmp[j]), to_d(tmp[j + 1]));
+    }
+  }
+};
+
+// Spread of a packed statistic for the all-outputs-at-once check: empty blocks contribute
+// nothing (their block sum is an exact zero), specials force the per-output decision.
+__device__ __forceinline__ int stat_spread(int32_t s, bool& special) {
+  const int hi = stat_hi(s);
+  if (hi == kStatSpecial) {
+    special = true;
+    return 0;
+  }
+  if (hi == kStatEmpty) return -1000;
+  return hi - stat_lo(s);
+}
+
+// The rare, heavy steps live out of line so the 32-way unrolled kernel body stays small: a
+// rounding error into the digits, a block product by product, and the epilogue.
+__device__ __noinline__ void add_error(int64_t* d, double e, int64_t interval) {
+  add_double(d, e);
+  if (++d[ADDS] >= interval) {
+    normalize(d);
+    d[ADDS] = 0;
+  }
+}
+
+__device__ __noinline__ double exact_block(double S, int64_t* d, const double* xr, const double* wr, int64_t interval) {
+#pragma unroll 1
+  for (int kk = 0; kk < BK; ++kk) {
+    const double t = xr[kk] * wr[kk];  // exact in fp64
+    if (is_finite(t)) {
+      double e;
+      S = two_sum(S, t, &e);
+      if (e != 0.0) add_error(d, e, interval);
+    } else {
+      add_special(d, t);
+    }
+  }
+  return S;
+}
+
+__device__ __noinline__ void zero_digits(int64_t* d) {
+#pragma unroll 1
+  for (int q = 0; q <= LDET_WORDS; ++q) d[q] = 0;
+}
+
+// Bias, the final TwoSum residue and normalization, then the rounded value or the digits.
+template <bool kFinalize>
+__device__ __noinline__ void finish_output(double S, int64_t* d, bool touched, const double* bias, int64_t gn,
+                                           int64_t interval, int64_t off, int out_fmt, void* out_f, int64_t* out_d) {
+  int64_t tmp[LDET_WORDS + 1];
+  if (!touched) {
+    zero_digits(tmp);
+    d = tmp;
+  }
+  if (bias) {
+    const double t = bias[gn];
+    if (is_finite(t)) {
+      double e;
+      S = two_sum(S, t, &e);
+      if (e != 0.0) add_error(d, e, interval);
+    } else {
+      add_special(d, t);
+    }
+  }
+  acc_finish(S, d);
+  if (kFinalize) {
+    store_fmt(out_f, off, finalize_fmt(d, out_fmt), out_fmt);
+  } else {
+    for (int q = 0; q < LDET_WORDS; ++q) out_d[off * LDET_WORDS + q] = d[q];
+  }
 }
 
 template <typename T, bool kFinalize>
-__global__ void __launch_bounds__(THREADS) gemm_kernel(const T* __restrict__ x, const T* __restrict__ w,
-                                                       const int32_t* __restrict__ xs, const int32_t* __restrict__ ws,
-                                                       const double* __restrict__ bias, int64_t M, int64_t N, int64_t K,
-                                                       int64_t nkb, int64_t interval, int out_fmt, void* __restrict__ out_f,
-                                                       int64_t* __restrict__ out_d) {
-  __shared__ double xsh[BK][BM + 1];
-  __shared__ double wsh[BK][BN + 1];
-  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+__global__ void __launch_bounds__(THREADS, 2)
+    gemm_kernel(const T* __restrict__ x, const T* __restrict__ w, const int32_t* __restrict__ xs,
+                const int32_t* __restrict__ ws, const double* __restrict__ bias, int64_t M, int64_t N, int64_t K,
+                int64_t nkb, int64_t interval, int64_t seg, bool vec_ok, int out_fmt, void* __restrict__ out_f,
+                int64_t* __restrict__ out_d) {
+  __shared__ __align__(16) double xsh[BM][SK];
+  __shared__ __align__(16) double wsh[BN][SK];
+  __shared__ int32_t xst[BM], wst[BN];
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int wm = (warp / 2) * WM, wn = (warp % 2) * WN;
   const int64_t m0 = int64_t(blockIdx.y) * BM, n0 = int64_t(blockIdx.x) * BN;
+  const int fr = lane / 4, fc = lane % 4;  // fragment row g / column t of the MMA tiles
 
-  double S[RM][RN];
-  int64_t dig[RM][RN][LDET_WORDS];  // local memory; written only on rounding errors
-  int64_t adds[RM][RN];
+  // Output o = (tm * TN + tn) * 2 + i sits at tile row wm + tm*8 + fr, column wn + tn*8 + 2*fc + i.
+  double S[NOUT];
+  int64_t dig[NOUT][LDET_WORDS + 1];  // local memory: digits + addition counter, zeroed lazily
+  uint32_t touched = 0;
 #pragma unroll
-  for (int a = 0; a < RM; ++a)
-#pragma unroll
-    for (int b = 0; b < RN; ++b) {
-      S[a][b] = 0.0;
-      adds[a][b] = 0;
-      zero(dig[a][b]);
+  for (int o = 0; o < NOUT; ++o) S[o] = 0.0;
+
+  auto digits = [&](int o) -> int64_t* {
+    if (!(touched & (1u << o))) {
+      touched |= 1u << o;
+      zero_digits(dig[o]);
     }
+    return dig[o];
+  };
+  auto add_term = [&](int o, double t) {  // acc_term with lazily zeroed digits
+    double e;
+    S[o] = two_sum(S[o], t, &e);
+    if (e != 0.0) add_error(digits(o), e, interval);
+  };
 
+  Stager<T> sx, sw;
+  int32_t stx = 0, stw = 0;
+  auto prefetch = [&](int64_t kb) {
+    sx.load(x, M, K, m0, kb * BK, vec_ok);
+    sw.load(w, N, K, n0, kb * BK, vec_ok);
+    const int t = threadIdx.x;
+    if (t < BM) stx = (m0 + t < M) ? xs[kb * M + m0 + t] : pack_stat(kStatEmpty, 0);
+    else if (t < BM + BN) stw = (n0 + t - BM < N) ? ws[kb * N + n0 + t - BM] : pack_stat(kStatEmpty, 0);
+  };
+
+  prefetch(0);
   for (int64_t kb = 0; kb < nkb; ++kb) {
-    const int64_t k0 = kb * BK;
-    // Stage the tiles as fp64 (exact widening); out-of-range elements are zeros, which add
-    // nothing and are ignored by the statistics.
-    for (int e = threadIdx.x; e < BM * BK; e += THREADS) {
-      const int r = e / BK, kk = e % BK;
-      const int64_t gm = m0 + r, gk = k0 + kk, gn = n0 + r;
-      xsh[kk][r] = (gm < M && gk < K) ? to_d(x[gm * K + gk]) : 0.0;
-      wsh[kk][r] = (gn < N && gk < K) ? to_d(w[gn * K + gk]) : 0.0;
-    }
+    sx.store(xsh);
+    sw.store(wsh);
+    if (threadIdx.x < BM) xst[threadIdx.x] = stx;
+    else if (threadIdx.x < BM + BN) wst[threadIdx.x - BM] = stw;
     __syncthreads();
+    if (kb + 1 < nkb) prefetch(kb + 1);  // in flight while this block is computed
 
-    BlockPath path[RM][RN];
-    bool all_fast = true;
+    double blk[NOUT];
 #pragma unroll
-    for (int a = 0; a < RM; ++a) {
-      const int64_t gm = m0 + ty + 16 * a;
-      const int32_t sx = gm < M ? xs[gm * nkb + kb] : pack_stat(kStatEmpty, 0);
+    for (int o = 0; o < NOUT; ++o) blk[o] = 0.0;
 #pragma unroll
-      for (int b = 0; b < RN; ++b) {
-        const int64_t gn = n0 + tx + 16 * b;
-        const int32_t sw = gn < N ? ws[gn * nkb + kb] : pack_stat(kStatEmpty, 0);
-        path[a][b] = block_path(sx, sw);
-        all_fast = all_fast && path[a][b] != kPathExact;
-      }
+    for (int k8 = 0; k8 < BK; k8 += 8) {
+      double a[2][4], b[TN][2];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) a[mt][q] = xsh[wm + mt * 16 + (q % 2) * 8 + fr][k8 + (q / 2) * 4 + fc];
+#pragma unroll
+      for (int nt = 0; nt < TN; ++nt)
+#pragma unroll
+        for (int q = 0; q < 2; ++q) b[nt][q] = wsh[wn + nt * 8 + fr][k8 + q * 4 + fc];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < TN; ++nt) {
+          // Tile (mt, nt)'s accumulator i is output (row slot 2 mt + i/2, column slot 2 nt + i%2).
+          double c[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) c[i] = blk[(mt * 2 + i / 2) * (TN * 2) + nt * 2 + i % 2];
+          mma_16x8x8(c, a[mt], b[nt]);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) blk[(mt * 2 + i / 2) * (TN * 2) + nt * 2 + i % 2] = c[i];
+        }
     }
 
-    if (all_fast) {
-      double blk[RM][RN];
+    // The statistics of this thread's 4 rows and 8 columns.
+    int32_t rs[TM], cs[TN * 2];
+    bool special = false;
+    int rmax = -1000, cmax = -1000;
 #pragma unroll
-      for (int a = 0; a < RM; ++a)
+    for (int tm = 0; tm < TM; ++tm) {
+      rs[tm] = xst[wm + tm * 8 + fr];
+      rmax = max(rmax, stat_spread(rs[tm], special));
+    }
 #pragma unroll
-        for (int b = 0; b < RN; ++b) blk[a][b] = 0.0;
-#pragma unroll 8
-      for (int kk = 0; kk < BK; ++kk) {
-        double xv[RM], wv[RN];
+    for (int j = 0; j < TN * 2; ++j) {
+      cs[j] = wst[wn + (j / 2) * 8 + 2 * fc + (j % 2)];
+      cmax = max(cmax, stat_spread(cs[j], special));
+    }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const bool mma_ok = true;
+#else
+    const bool mma_ok = false;  // no fp64 MMA: every block goes output by output
+#endif
+    if (mma_ok && !special && rmax + cmax <= LDET_FAST_SPREAD) {
 #pragma unroll
-        for (int a = 0; a < RM; ++a) xv[a] = xsh[kk][ty + 16 * a];
-#pragma unroll
-        for (int b = 0; b < RN; ++b) wv[b] = wsh[kk][tx + 16 * b];
-#pragma unroll
-        for (int a = 0; a < RM; ++a)
-#pragma unroll
-          for (int b = 0; b < RN; ++b) blk[a][b] = fma(xv[a], wv[b], blk[a][b]);  // exact here
-      }
-#pragma unroll
-      for (int a = 0; a < RM; ++a)
-#pragma unroll
-        for (int b = 0; b < RN; ++b)
-          if (path[a][b] == kPathFast) acc_term(S[a][b], dig[a][b], adds[a][b], interval, blk[a][b]);
+      for (int o = 0; o < NOUT; ++o) add_term(o, blk[o]);  // empty blocks give an exact 0
     } else {
 #pragma unroll
-      for (int a = 0; a < RM; ++a)
+      for (int o = 0; o < NOUT; ++o) {
+        const int tm = o / (TN * 2), j = o % (TN * 2);
+        BlockPath path = block_path(rs[tm], cs[j]);
+        if (path == kPathSkip) continue;
+        if (path == kPathFast && !mma_ok) path = kPathExact;
+        if (path == kPathFast) {
+          add_term(o, blk[o]);
+        } else {
+          S[o] = exact_block(S[o], digits(o), xsh[wm + tm * 8 + fr], wsh[wn + (j / 2) * 8 + 2 * fc + (j % 2)],
+                             interval);
+        }
+      }
+    }
+    // Segment edge of the fp32 split (x' = [xh|xh|xl|xl]): the pieces' scales drop by 2^12 per
+    // segment, so S is moved into the digits here (exact) and restarts small. Otherwise S would stay
+    // at the hi-hi magnitude and nearly every lo-lo block would leave a TwoSum error.
+    if (seg > 0 && ((kb + 1) * BK) / seg != (kb * BK) / seg) {
 #pragma unroll
-        for (int b = 0; b < RN; ++b) {
-          if (path[a][b] == kPathSkip) continue;
-          const int r = ty + 16 * a, c = tx + 16 * b;
-          if (path[a][b] == kPathFast) {
-            double s = 0.0;
-            for (int kk = 0; kk < BK; ++kk) s = fma(xsh[kk][r], wsh[kk][c], s);
-            acc_term(S[a][b], dig[a][b], adds[a][b], interval, s);
-          } else {
-            for (int kk = 0; kk < BK; ++kk)
-              acc_any(S[a][b], dig[a][b], adds[a][b], interval, xsh[kk][r] * wsh[kk][c]);
-          }
+      for (int o = 0; o < NOUT; ++o)
+        if (S[o] != 0.0) {
+          add_error(digits(o), S[o], interval);
+          S[o] = 0.0;
         }
     }
     __syncthreads();
   }
 
 #pragma unroll
-  for (int a = 0; a < RM; ++a)
-#pragma unroll
-    for (int b = 0; b < RN; ++b) {
-      const int64_t gm = m0 + ty + 16 * a, gn = n0 + tx + 16 * b;
-      if (gm >= M || gn >= N) continue;
-      if (bias) acc_any(S[a][b], dig[a][b], adds[a][b], interval, bias[gn]);
-      acc_finish(S[a][b], dig[a][b]);
-      const int64_t o = gm * N + gn;
-      if (kFinalize) {
-        store_fmt(out_f, o, finalize_fmt(dig[a][b], out_fmt), out_fmt);
-      } else {
-        for (int q = 0; q < LDET_WORDS; ++q) out_d[o * LDET_WORDS + q] = dig[a][b][q];
-      }
-    }
+  for (int o = 0; o < NOUT; ++o) {
+    const int tm = o / (TN * 2), j = o % (TN * 2);
+    const int64_t gm = m0 + wm + tm * 8 + fr, gn = n0 + wn + (j / 2) * 8 + 2 * fc + (j % 2);
+    if (gm >= M || gn >= N) continue;
+    finish_output<kFinalize>(S[o], dig[o], (touched >> o) & 1u, bias, gn, interval, gm * N + gn, out_fmt, out_f,
+                             out_d);
+  }
 }
 
 template <typename T, bool kFinalize>
 void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& xs, const at::Tensor& ws, const double* bias,
-            int64_t nkb, int64_t interval, int out_fmt, at::Tensor& out) {
+            int64_t nkb, int64_t interval, int64_t seg, int out_fmt, at::Tensor& out) {
   const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
   auto stream = c10::cuda::getCurrentCUDAStream();
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
@@ -174,9 +358,12 @@ void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& xs, cons
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   TORCH_CHECK((M + BM - 1) / BM < 65536, "x: M = ", M, " exceeds this kernel's grid limit of ", 65535 * BM, " rows");
+  constexpr int VEC = 16 / sizeof(T);
+  const bool vec_ok = K % VEC == 0 && reinterpret_cast<uintptr_t>(xp) % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(wp) % 16 == 0;
   dim3 grid(unsigned((N + BN - 1) / BN), unsigned((M + BM - 1) / BM));
   gemm_kernel<T, kFinalize><<<grid, THREADS, 0, stream>>>(
-      xp, wp, xs.data_ptr<int32_t>(), ws.data_ptr<int32_t>(), bias, M, N, K, nkb, interval, out_fmt,
+      xp, wp, xs.data_ptr<int32_t>(), ws.data_ptr<int32_t>(), bias, M, N, K, nkb, interval, seg, vec_ok, out_fmt,
       kFinalize ? out.data_ptr() : nullptr, kFinalize ? nullptr : out.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -194,6 +381,7 @@ at::Tensor gemm_common_cuda(const at::Tensor& x_in, const at::Tensor& w_in, cons
     w = w.to(at::kFloat);
   }
   auto [xsplit, wsplit] = split_fp32_for_fast_path(x, w);
+  const int64_t seg = xsplit.defined() ? x.size(1) : 0;  // K of one split segment
   if (xsplit.defined()) {
     x = xsplit;
     w = wsplit;
@@ -217,13 +405,13 @@ at::Tensor gemm_common_cuda(const at::Tensor& x_in, const at::Tensor& w_in, cons
   const int fmt = out_format(out_dtype);
   switch (x.scalar_type()) {
     case at::kFloat:
-      launch<float, kFinalize>(x, w, xs, ws, bp, nkb, interval, fmt, out);
+      launch<float, kFinalize>(x, w, xs, ws, bp, nkb, interval, seg, fmt, out);
       break;
     case at::kBFloat16:
-      launch<__nv_bfloat16, kFinalize>(x, w, xs, ws, bp, nkb, interval, fmt, out);
+      launch<__nv_bfloat16, kFinalize>(x, w, xs, ws, bp, nkb, interval, seg, fmt, out);
       break;
     default:
-      launch<__half, kFinalize>(x, w, xs, ws, bp, nkb, interval, fmt, out);
+      launch<__half, kFinalize>(x, w, xs, ws, bp, nkb, interval, seg, fmt, out);
       break;
   }
   return out;
