@@ -130,7 +130,7 @@ def main(argv=None):
     det, ddp = rows
     summary = {"step_time_ratio": det["step_ms"] / ddp["step_ms"], "peak_memory_ratio": det["peak_bytes"] / ddp["peak_bytes"]}
     print(f"det_ddp / ddp: step time {summary['step_time_ratio']:.2f}x, peak memory {summary['peak_memory_ratio']:.2f}x, "
-          f"all-reduce {det['allreduce_bytes_per_grad_element']:.0f} vs {ddp['allreduce_bytes_per_grad_element']:.0f} "
+          f"all-reduce {det['allreduce_bytes_per_grad_element']:.1f} vs {ddp['allreduce_bytes_per_grad_element']:.1f} "
           "bytes per gradient element")
     device = "cuda" if args.accelerator == "gpu" else "cpu"
     path = write("ddp_step", device, rows, extra={"summary": summary, "world_size": args.devices,

@@ -1,14 +1,17 @@
-"""Cross-rank reduction of long accumulators: one int64 SUM all-reduce, then normalize."""
+"""Cross-rank reduction of long accumulators: an int64 SUM all-reduce (full or windowed), then normalize."""
 from __future__ import annotations
 
-import torch
+from typing import Optional
+
 import torch.distributed as dist
 
+from .digit_window import BLOCK, block_agreement, pack, plan_windows, unpack
 from .longacc import LongAcc, check_acc, det_normalize
 
 __all__ = ["det_all_reduce", "det_all_reduce_windowed", "MAX_WORLD_SIZE"]
 
 # A canonical digit is < 2^32 and absorbs 2^31 - 2 additions; the status counters are 21 bits.
+# The windowed reduce keeps 21 bits of headroom per limb at this size (digit_window.py).
 MAX_WORLD_SIZE = (1 << 21) - 1
 
 
@@ -36,55 +39,53 @@ def det_all_reduce(acc: LongAcc, group=None) -> LongAcc:
     return det_normalize(buf)
 
 
-def _signed_digits(acc: LongAcc) -> torch.Tensor:
-    """Digits (n, 18) of canonical accs with negative values as negated magnitudes.
+def det_all_reduce_windowed(
+    acc: LongAcc, group=None, *, block: int = BLOCK, stats: Optional[dict] = None
+) -> tuple[LongAcc, float]:
+    """:func:`det_all_reduce` that sends each block of elements only in the bit window it uses. Exact.
 
-    Canonical negative values carry 0xFFFFFFFF in every digit above their leading one (two's
-    complement style), which would make every digit "used". Negated magnitude digits are zero
-    there, so the digits a tensor really uses form a short window. Sums stay exact: both forms
-    hold the same integer.
-    """
-    digits = acc[:, :-1]
-    neg = digits[:, -1] < 0
-    if not bool(neg.any()):
-        return digits.clone()
-    mag = det_normalize(torch.cat([-digits, torch.zeros_like(acc[:, -1:])], dim=1))[:, :-1]
-    return torch.where(neg[:, None], -mag, digits)
+    Two collectives (see :mod:`lightning_det.ops.digit_window` for the layout and its bounds):
+    a MAX all-reduce of 2 int32 per block of ``block`` elements agrees on each block's window
+    [lowest set bit, signed width] over all ranks; then one int64 SUM all-reduce moves each
+    element as a field of (window + log2(world)) bits, packed across elements into limbs with
+    headroom for the rank count. Blocks whose window is too wide, or that hold NaN/inf (or
+    digits not in canonical form), travel as full digits in the same SUM (the exact fallback);
+    all-zero blocks send nothing. The result equals :func:`det_all_reduce` bit for bit, for
+    any data. On the ddp_step benchmark's real gradients it moves about 8.5 bytes per element.
 
-
-def det_all_reduce_windowed(acc: LongAcc, group=None) -> tuple[LongAcc, int]:
-    """:func:`det_all_reduce` that sends only the digit window any rank uses. Exact.
-
-    One tiny all-reduce agrees on the lowest and highest digit in use (and whether any NaN/inf is
-    present) across ranks; the int64 SUM then moves ``width`` words per element instead of 19.
+    Args:
+        acc: LongAcc, int64 (..., 19), canonical for the fast path, on the process group's device.
+        group: a torch.distributed process group; None means the default group.
+        block: elements per window; must be the same on every rank.
+        stats: optional dict, filled with the layout's counts ("blocks", "fast_blocks",
+            "fallback_blocks", "fallback_elements", "agree_bytes", "payload_bytes", "bytes").
 
     Returns:
-        (the canonical sum, identical on every rank; bytes moved per element by the big reduce).
+        (the canonical sum, identical on every rank, shape of ``acc``; bytes per element moved
+        by both collectives together, i.e. their buffer sizes over the element count).
     """
     check_acc(acc)
+    if block < 1:
+        raise ValueError(f"block: expected a positive element count, got {block}")
     shape = acc.shape
     flat = acc.reshape(-1, acc.shape[-1])
-    if not (dist.is_available() and dist.is_initialized()):
-        return det_normalize(acc), 0
-    signed = _signed_digits(flat)
-    used = (signed != 0).any(0)
-    idx = used.nonzero().flatten()
-    nd = signed.shape[1]
-    lo, hi = (int(idx[0]), int(idx[-1])) if idx.numel() else (nd, -1)
-    special = int(bool((flat[:, -1] != 0).any()))
-    bounds = torch.tensor([-lo, hi, special], dtype=torch.int64, device=acc.device)
-    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
-    lo, hi, special = -int(bounds[0]), int(bounds[1]), int(bounds[2])
-    cols = list(range(lo, hi + 1)) if hi >= lo else []
-    payload = signed[:, lo : hi + 1]
-    if special:
-        payload = torch.cat([payload, flat[:, -1:]], dim=1)
-    payload = payload.contiguous()
-    if payload.numel():
+    n = flat.shape[0]
+    if not (dist.is_available() and dist.is_initialized()) or n == 0:
+        return det_normalize(acc), 0.0
+    world = dist.get_world_size(group)
+    if world > MAX_WORLD_SIZE:
+        raise ValueError(f"group: world size {world} exceeds the digit headroom ({MAX_WORLD_SIZE})")
+    agreed = block_agreement(flat, block)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    plan = plan_windows(agreed, n, world, block)
+    payload = pack(flat, plan)
+    if payload.numel():  # every rank has the same plan, so all take this branch or none
         dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=group)
-    out = torch.zeros_like(flat)
-    if cols:
-        out[:, lo : hi + 1] = payload[:, : len(cols)]
-    if special:
-        out[:, -1] = payload[:, -1]
-    return det_normalize(out).reshape(shape), payload.shape[1] * 8
+    out = unpack(payload, plan).reshape(shape)
+    agree_bytes = agreed.numel() * agreed.element_size()
+    payload_bytes = payload.numel() * payload.element_size()
+    if stats is not None:
+        stats.update(blocks=plan.blocks, fast_blocks=plan.fast_blocks, fallback_blocks=plan.fallback_blocks,
+                     fallback_elements=int(plan.fallback_rows.numel()), agree_bytes=agree_bytes,
+                     payload_bytes=payload_bytes, bytes=agree_bytes + payload_bytes)
+    return out, (agree_bytes + payload_bytes) / n

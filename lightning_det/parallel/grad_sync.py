@@ -49,15 +49,18 @@ def sync_gradients(
     unrounded sums: the result is the same at any world size and micro-batching. Parameters
     that only have a rounded ``.grad`` (uncovered modules) are summed exactly too, which makes
     them independent of rank order but not of the world size: the caller labels the run
-    unverified. Every rank takes part in one int64 all-reduce of one flat buffer.
+    unverified. Every rank takes part in one windowed reduce of one flat buffer (a small MAX
+    all-reduce agreeing on bit windows, then one int64 SUM all-reduce).
 
     Returns:
-        {"exact": n, "rounded_only": n, "elements": n, "bytes": n} for logging and benchmarks;
-        "bytes" is what the big all-reduce moved (0 in a single process).
+        {"exact": n, "rounded_only": n, "elements": n, "bytes": n, "fallback_elements": n} for
+        logging and benchmarks; "bytes" is what the all-reduces moved together (the window
+        agreement and the packed SUM, 0 in a single process), "fallback_elements" how many
+        gradient elements went as full digits (NaN/inf or windows too wide to pack).
     """
     params = [p for p in params if p.requires_grad]
     if not params:
-        return {"exact": 0, "rounded_only": 0, "elements": 0, "bytes": 0}
+        return {"exact": 0, "rounded_only": 0, "elements": 0, "bytes": 0, "fallback_elements": 0}
     parts, exact, rounded = [], 0, 0
     for p in params:
         acc = grad_digits(p)
@@ -71,10 +74,10 @@ def sync_gradients(
         parts.append(acc.reshape(-1, WORDS))
     flat = torch.cat(parts)
     multi = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-    # only the digit window the gradients use travels (exact; see det_all_reduce_windowed)
-    bytes_per_element = 0
+    # each block of elements travels in the bit window it uses (exact; see det_all_reduce_windowed)
+    sync: dict = {}
     if multi:
-        flat, bytes_per_element = det_all_reduce_windowed(flat, group)
+        flat, _ = det_all_reduce_windowed(flat, group, stats=sync)
     else:
         flat = det_normalize(flat)
     offset = 0
@@ -86,5 +89,5 @@ def sync_gradients(
         p.grad = det_finalize(acc, dtype, scale_exp=scale_exp)
         if hasattr(p, DIGITS_ATTR):
             delattr(p, DIGITS_ATTR)
-    return {"exact": exact, "rounded_only": rounded, "elements": flat.shape[0],
-            "bytes": flat.shape[0] * bytes_per_element}
+    return {"exact": exact, "rounded_only": rounded, "elements": flat.shape[0], "bytes": sync.get("bytes", 0),
+            "fallback_elements": sync.get("fallback_elements", 0)}
