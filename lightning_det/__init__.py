@@ -10,11 +10,11 @@ Layers (dependencies point downward only):
 ``import lightning_det`` registers ``Trainer(strategy="det_ddp")`` (and ``"det_ddp_spawn"``,
 and ``Fabric(strategy="det_ddp")``) when Lightning is installed.
 """
-from .parallel.loss import global_mean
+from .parallel.loss import global_mean, global_sum
 from .profile import PROFILE
 
 __version__ = "0.1.0"
-__all__ = ["PROFILE", "global_mean", "__version__"]
+__all__ = ["PROFILE", "global_mean", "global_sum", "__version__"]
 
 try:
     import lightning  # noqa: F401

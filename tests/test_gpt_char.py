@@ -4,7 +4,9 @@ sizes 1, 2, 4 and with accumulation; the plain-DDP control differs; the entry po
 Multi-process runs are subprocesses of the example itself (clean environment, timeout,
 OMP_NUM_THREADS=1), three at a time; each writes DigestCallback digests (loss, grads, params,
 optimizer state, RNG states) for every optimizer step, compared with lightning_det's diff_runs.
+The CUDA test (run on the lent GPU machine) compares a CPU and a GPU run step by step.
 """
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cuda
 
 from lightning_det.digest.compare import diff_runs, diff_step, load_run
 from tests.test_det_ddp import clean_env
@@ -140,3 +143,36 @@ def test_data_split_is_fixed():
     assert len(train.ids) + len(val.ids) == 20000 and len(val.ids) == 2000  # 90/10 by position
     x, y = train[3]
     assert torch.equal(x[1:], y[:-1]) and x.shape == (16,)
+
+
+def _env_with_mpi() -> dict:
+    """clean_env plus the OpenMPI/PMIx settings of the environment: Lightning imports mpi4py when
+    it is installed (the GPU machine's image has it), and MPI_Init fails in a child without them
+    (benchmarks/NOTES.md, GPU run 2)."""
+    env = clean_env()
+    env.update({k: v for k, v in os.environ.items()
+                if k.startswith(("OMPI_", "PMIX_", "OPAL_", "PRTE_")) or k == "LD_LIBRARY_PATH"})
+    return env
+
+
+@cuda
+@pytest.mark.parametrize("precision,optimizer", [("32-true", "adamwsr"), ("bf16-true", "auto")])
+def test_cuda_step_digests_equal_cpu(tmp_path, precision, optimizer):
+    """A whole training step is device invariant: 3 steps at world size 1 on CPU and on CUDA give
+    the same loss, gradients, weights and optimizer state at every step (the RNG section holds
+    device-specific generator states and is left out). The optimizer is AdamWSR in both: torch's
+    AdamW is not promised CPU/CUDA bitwise; det_cross_entropy is what made the loss equal."""
+    recs = {}
+    for accel in ("cpu", "gpu"):
+        out = tmp_path / accel
+        cmd = [sys.executable, str(EXAMPLE), "--accelerator", accel, "--precision", precision, "--optimizer", optimizer,
+               "--digests", str(out), *TINY[2:], "--steps", "3"]
+        proc = subprocess.run(cmd, env=_env_with_mpi(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"{accel} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        recs[accel] = load_run(out).steps[0]
+    assert sorted(recs["cpu"]) == sorted(recs["gpu"]) == [1, 2, 3]
+    for step in (1, 2, 3):
+        a, b = recs["cpu"][step], recs["gpu"][step]
+        assert all(a.get(sec) for sec in ("grads", "params", "optim")), "sections must be recorded"
+        diffs = [d for d in diff_step(a, b) if d["section"] != "rng"]
+        assert not diffs, f"step {step}: cpu vs cuda differ: {diffs[:5]}"

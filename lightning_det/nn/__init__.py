@@ -6,9 +6,10 @@ from .embedding import DetEmbedding
 from .functional import det_col_sums, det_exp, det_gelu, det_relu, det_row_sums, det_silu, det_tanh
 from .grad_digits import add_grad_digits, finalize_grad_digits, grad_digits, set_grad_digits
 from .linear import DetLinear
+from .loss import det_cross_entropy
 from .norm import DetLayerNorm, DetRMSNorm
 from .transform import DET_MODULES, UnsupportedModuleError, det_transform
-from .verified import VERIFIED_MODULES
+from .verified import VERIFIED_FUNCTIONS, VERIFIED_MODULES
 
 __all__ = [
     "DetLinear",
@@ -22,6 +23,7 @@ __all__ = [
     "DetMultiheadSelfAttention",
     "det_scaled_dot_product_attention",
     "det_function_mode",
+    "det_cross_entropy",
     "det_exp",
     "det_gelu",
     "det_silu",
@@ -33,6 +35,7 @@ __all__ = [
     "UnsupportedModuleError",
     "DET_MODULES",
     "VERIFIED_MODULES",
+    "VERIFIED_FUNCTIONS",
     "set_grad_digits",
     "add_grad_digits",
     "grad_digits",

@@ -33,8 +33,10 @@ thousand on GPU); not a replacement for flash attention at long context.
 """
 from __future__ import annotations
 
+import inspect
 import math
-from typing import Optional
+import warnings
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +47,7 @@ from ..ops import det_finalize, det_gemm
 from ..ops.trust import trusted_fn
 from .functional import det_exp, det_row_sums
 from .linear import DetLinear
+from .loss import cross_entropy_rows, cross_entropy_unsupported, det_cross_entropy
 
 __all__ = ["det_scaled_dot_product_attention", "DetMultiheadSelfAttention", "det_function_mode"]
 
@@ -216,6 +219,10 @@ class DetMultiheadSelfAttention(nn.Module):
 
 
 class _DetFunctionMode(TorchFunctionMode):
+    def __init__(self, strict: bool, loss_reduce: Optional[Callable]) -> None:
+        super().__init__()
+        self.strict, self.loss_reduce = strict, loss_reduce
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is F.scaled_dot_product_attention:
@@ -223,18 +230,61 @@ class _DetFunctionMode(TorchFunctionMode):
                 raise ValueError("enable_gqa: det attention does not support grouped-query attention; "
                                  "repeat the key/value heads first")
             return det_scaled_dot_product_attention(*args, **kwargs)
+        if func is F.cross_entropy:
+            return self._cross_entropy(func, args, kwargs)
         return func(*args, **kwargs)
 
+    def _cross_entropy(self, func, args, kwargs):
+        bound = _CE_SIGNATURE.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        reason = cross_entropy_unsupported(a["input"], a["target"], a["weight"], a["size_average"], a["reduce"],
+                                           a["label_smoothing"])
+        if reason is not None:
+            if self.strict:
+                raise ValueError(reason + " (det_function_mode, strict: pass strict=False to fall back to "
+                                 "PyTorch's cross_entropy, outside the verified set)")
+            warnings.warn(reason + "; PyTorch's F.cross_entropy runs instead (outside the verified set)", stacklevel=3)
+            return func(*args, **kwargs)
+        if self.loss_reduce is None or a["reduction"] == "none":
+            return det_cross_entropy(**a)
+        reduction = a["reduction"]
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction: expected 'mean', 'sum' or 'none', got {reduction!r}")
+        rows, valid, _ = cross_entropy_rows(a["input"], a["target"], a["ignore_index"])
+        return self.loss_reduce(rows, valid, reduction, a["input"].dtype)
 
-def det_function_mode() -> TorchFunctionMode:
-    """A context manager that sends ``F.scaled_dot_product_attention`` to the det version.
+
+def _ce_signature(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                  reduction="mean", label_smoothing=0.0):
+    """F.cross_entropy's signature, for binding a call's arguments by name."""
+
+
+_CE_SIGNATURE = inspect.signature(_ce_signature)
+
+
+def det_function_mode(strict: bool = True, loss_reduce: Optional[Callable] = None) -> TorchFunctionMode:
+    """A context manager that sends PyTorch functions with a det version to it.
 
         with det_function_mode():
-            y = model(x)   # its F.scaled_dot_product_attention calls are exact and batch-invariant
+            y = model(x)   # F.scaled_dot_product_attention: exact and batch-invariant
+            loss = F.cross_entropy(y, t)   # also nn.CrossEntropyLoss: exact, device-invariant
 
-    Only that function is redirected (a torch function mode is off inside its own handler, so
-    the det kernels' internals are not touched). Wrap forward and backward's caller alike; the
-    backward itself is the det Function's and needs no mode. det_ddp applies it around every
-    training and validation step.
+    Redirected: ``F.scaled_dot_product_attention`` -> :func:`det_scaled_dot_product_attention`
+    and ``F.cross_entropy`` (which ``nn.CrossEntropyLoss`` calls) -> :func:`det_cross_entropy`.
+    A torch function mode is off inside its own handler, so the det kernels' internals are not
+    touched. Wrap forward and the loss alike; the backward is the det Functions' own and needs
+    no mode. det_ddp applies it around every training and validation step.
+
+    Args:
+        strict: cross_entropy options the det version lacks (``weight``, ``label_smoothing``,
+            class-probability targets, (N, C, d1, ...) inputs, float64) raise a ValueError naming
+            the argument; with False they warn and run PyTorch's own function (det_ddp's op audit of
+            the first step then labels the run unverified).
+        loss_reduce: ``(per_row_losses fp32 (N,), valid bool (N,), reduction, out_dtype) -> loss``
+            used for reduction 'mean' and 'sum' instead of this process's exact reduction.
+            det_ddp passes :func:`lightning_det.parallel.loss.global_loss_reduce`: the exact
+            mean / sum over the rows of every rank, so the loss and its gradient are the same at
+            any world size.
     """
-    return _DetFunctionMode()
+    return _DetFunctionMode(strict, loss_reduce)

@@ -6,7 +6,7 @@ tests have passed on; CUDA entries are added only after the GPU run (benchmarks/
 """
 from __future__ import annotations
 
-__all__ = ["VERIFIED_MODULES"]
+__all__ = ["VERIFIED_MODULES", "VERIFIED_FUNCTIONS"]
 
 _COMMON = ["run-to-run", "batch (row count)", "position (odd widths 33, 123)"]
 
@@ -35,4 +35,21 @@ VERIFIED_MODULES: dict[str, dict] = {
     "SiLU": {"replacement": "DetSiLU", "invariances": list(_COMMON), "verified_on": ["cpu", "cuda (H200)"]},
     "Tanh": {"replacement": "DetTanh", "invariances": list(_COMMON), "verified_on": ["cpu", "cuda (H200)"]},
     "ReLU": {"replacement": "DetReLU", "invariances": list(_COMMON), "verified_on": ["cpu", "cuda (H200)"]},
+}
+
+#: PyTorch functions that ``det_function_mode`` (applied by det_ddp around training and
+#: validation steps) sends to a det version. Same keys as above; tests: tests/test_attention.py,
+#: tests/test_det_cross_entropy.py. "device" is listed once the CUDA test has passed on a GPU.
+VERIFIED_FUNCTIONS: dict[str, dict] = {
+    "torch.nn.functional.scaled_dot_product_attention": {
+        "replacement": "det_scaled_dot_product_attention",
+        "invariances": ["run-to-run", "batch (sequences)", "heads", "world size (det_ddp)"],
+        "verified_on": ["cpu"],
+    },
+    "torch.nn.functional.cross_entropy": {
+        "replacement": "det_cross_entropy (nn.CrossEntropyLoss calls it too)",
+        "invariances": ["run-to-run", "batch (row count)", "column order", "thread count",
+                        "world size (global mean/sum under det_ddp)", "accumulation", "device"],
+        "verified_on": ["cpu", "cuda (H100)"],
+    },
 }

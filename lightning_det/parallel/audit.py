@@ -6,7 +6,9 @@ correctly rounded IEEE arithmetic (elementwise +, -, *, /, comparisons, selects)
 without arithmetic (views, copies, indexing, concatenation, dtype casts). Ops that reduce
 across elements (sum, mean, matmul, norms, softmax across a batch) are not: inside our own det
 modules and ops they are replaced by exact long-accumulator kernels, and the audit skips what
-runs inside those (the ``trusted()`` regions).
+runs inside those (the ``trusted()`` regions). The PyTorch functions det_ddp sends to det versions
+(``F.cross_entropy``, ``F.scaled_dot_product_attention``) are listed, with what was verified
+where, in VERIFIED_FUNCTIONS (lightning_det.nn.verified).
 """
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..nn.verified import VERIFIED_FUNCTIONS
 from ..ops.trust import in_trusted, trusted
 
-__all__ = ["VERIFIED_OPS", "OpAudit", "UnverifiedOpError", "trusted"]
+__all__ = ["VERIFIED_OPS", "VERIFIED_FUNCTIONS", "OpAudit", "UnverifiedOpError", "trusted"]
 
 
 
@@ -44,7 +47,9 @@ VERIFIED_OPS: Dict[str, str] = {
 }
 
 #: Row-wise ops verified on the sizes the tests cover: each output row depends only on its own
-#: input row (checked for row-count invariance on CPU and CUDA in tests/test_audit_ops.py).
+#: input row (checked for row-count invariance on CPU and CUDA in tests/test_audit_ops.py). Not
+#: device invariant (CPU and CUDA exp/log differ): under det_ddp, F.cross_entropy does not reach
+#: them (it runs det_cross_entropy); they remain for a hand-written log_softmax + nll_loss.
 ROWWISE_OPS: Dict[str, str] = {
     "aten._log_softmax": "row-wise over the last dim",
     "aten._log_softmax_backward_data": "row-wise over the last dim",
@@ -126,9 +131,9 @@ class OpAudit(TorchDispatchMode):
         msg = (
             f"{len(bad)} op(s) outside lightning_det's verified set ran in the training step:\n{lines}\n"
             "Fix: replace the module with a covered one (det_transform covers nn.Linear, nn.Embedding, "
-            "nn.LayerNorm, nn.RMSNorm, GELU/SiLU/ReLU/Tanh), compute losses with reduction='none' and "
-            "lightning_det.global_mean, or run with DeterministicStrategy(strict=False) to train with the "
-            "run labelled unverified."
+            "nn.LayerNorm, nn.RMSNorm, GELU/SiLU/ReLU/Tanh), compute losses with F.cross_entropy (exact "
+            "under det_ddp) or lightning_det.global_mean, or run with DeterministicStrategy(strict=False) "
+            "to train with the run labelled unverified."
         )
         if strict:
             raise UnverifiedOpError(msg)

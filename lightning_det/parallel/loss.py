@@ -1,4 +1,9 @@
-"""global_mean: a loss whose value and gradient are the same at any world size and split."""
+"""global_mean / global_sum: losses whose value and gradient are the same at any world size and split.
+
+Both are :func:`lightning_det.nn.loss.exact_loss_reduce` (exact digit sum, one rounding) with the
+digits, and the count, summed over the ranks before the rounding. They tell the strategy that
+the loss is already global (``consume_global_mean_flag``), so it skips its 1/N gradient scale.
+"""
 from __future__ import annotations
 
 import threading
@@ -7,17 +12,18 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..ops import det_all_reduce, det_normalize, to_digits
-from ..ops.exact_scalar import mean_of_acc, reciprocal
+from ..nn.loss import exact_loss_reduce
+from ..ops import det_all_reduce
 from ..ops.trust import trusted
 
-__all__ = ["global_mean", "consume_global_mean_flag"]
+__all__ = ["global_mean", "global_sum", "global_loss_reduce", "consume_global_mean_flag"]
 
 _state = threading.local()
 
 
 def consume_global_mean_flag() -> bool:
-    """True if global_mean ran since the last call (the strategy then skips its 1/N scale)."""
+    """True if a global loss that takes part in backward ran since the last call (the strategy
+    then skips its 1/N scale)."""
     used = getattr(_state, "used", False)
     _state.used = False
     return used
@@ -29,36 +35,42 @@ def _world(group) -> int:
     return 1
 
 
-class _GlobalMean(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, values, group):
+def _combine(group, masked: bool):
+    """The cross-rank step of exact_loss_reduce: int64 SUM of the digits (and of the counts)."""
+
+    def combine(total: torch.Tensor, count: int):
+        world = _world(group)
+        if world == 1:
+            return total, count
         with trusted():
-            return _GlobalMean._forward(ctx, values, group)
-
-    @staticmethod
-    def _forward(ctx, values, group):
-        v = values.detach().reshape(-1)
-        if v.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            v = v.float()
-        count = v.numel() * _world(group)
-        if count == 0:
-            raise ValueError("values: expected at least one element on some rank, got none")
-        total = det_normalize(to_digits(v).sum(0, keepdim=True))  # exact: integer digit sums
-        if _world(group) > 1:
             total = det_all_reduce(total, group)
-        value = mean_of_acc(total[0].tolist(), count)
-        ctx.scale = reciprocal(count)  # 1/count rounded once: the same number at every split
-        ctx.shape = values.shape
+            if not masked:  # every rank holds the same number of elements
+                return total, count * world
+            counts = torch.tensor([count], dtype=torch.int64, device=total.device)
+            dist.all_reduce(counts, group=group)  # integers: exact
+            return total, int(counts.item())
+
+    return combine
+
+
+def _global(values, reduction, mask, group, out_dtype) -> torch.Tensor:
+    if not isinstance(values, torch.Tensor) or not values.is_floating_point():
+        raise TypeError(f"values: expected a floating-point tensor, got {type(values).__name__}")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool
+                             or mask.shape != values.shape):
+        raise ValueError(f"mask: expected a bool tensor of shape {tuple(values.shape)} like values, got "
+                         f"{getattr(mask, 'dtype', type(mask).__name__)} {tuple(getattr(mask, 'shape', ()))}")
+    if mask is None and reduction == "mean" and values.numel() == 0:
+        raise ValueError("values: expected at least one element on some rank, got none")
+    combine = _combine(group, masked=mask is not None)
+    out = exact_loss_reduce(values, reduction, mask=mask, out_dtype=out_dtype, combine=combine)
+    if out.requires_grad:  # only a loss that is back-propagated decides the gradient scale
         _state.used = True
-        return torch.tensor(value, dtype=torch.float32, device=values.device)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # grad * (1/count): one correctly rounded multiply, elementwise (verified)
-        return (grad * ctx.scale).expand(ctx.shape).contiguous(), None
+    return out
 
 
-def global_mean(values: torch.Tensor, group: Optional[object] = None) -> torch.Tensor:
+def global_mean(values: torch.Tensor, group: Optional[object] = None, mask: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
     """Mean of ``values`` over every element on every rank, exactly, rounded once.
 
     Args:
@@ -66,14 +78,35 @@ def global_mean(values: torch.Tensor, group: Optional[object] = None) -> torch.T
             e.g. ``F.cross_entropy(logits, target, reduction="none")``. Every rank must call it
             (it all-reduces) and should hold the same number of elements.
         group: process group; None = the default group.
+        mask: optional bool tensor of ``values``' shape: False elements (padding, ignored
+            tokens) are left out of the sum and of the count, which is then summed over the
+            ranks too (one more int64 all-reduce), so ranks may hold different numbers of them.
 
     Returns:
         A float32 scalar. Its value is the exact global mean rounded once (identical on every
-        rank and at every world size); its gradient is ``1/count`` (rounded once) for each
-        element, so gradients do not depend on the split either, for any world size (3, 6, ...).
-        Under Lightning's ``accumulate_grad_batches=k`` the loss is divided by k as usual: use a
-        power of two k.
+        rank and at every world size; nan when the mask leaves nothing); its gradient is
+        ``1/count`` (rounded once) for each included element, so gradients do not depend on the
+        split either, for any world size (3, 6, ...). Under Lightning's
+        ``accumulate_grad_batches=k`` the loss is divided by k as usual: use a power of two k.
     """
-    if not isinstance(values, torch.Tensor) or not values.is_floating_point():
-        raise TypeError(f"values: expected a floating-point tensor, got {type(values).__name__}")
-    return _GlobalMean.apply(values, group)
+    return _global(values, "mean", mask, group, torch.float32)
+
+
+def global_sum(values: torch.Tensor, group: Optional[object] = None, mask: Optional[torch.Tensor] = None
+               ) -> torch.Tensor:
+    """Sum of ``values`` over every element on every rank, exactly, rounded once to float32.
+
+    As :func:`global_mean` without the division: gradient 1 for each included element. At
+    world size N the result equals the world-size-1 sum of the whole batch.
+    """
+    return _global(values, "sum", mask, group, torch.float32)
+
+
+def global_loss_reduce(values: torch.Tensor, mask: torch.Tensor, reduction: str, out_dtype: torch.dtype):
+    """det_ddp's reduction for ``F.cross_entropy(..., reduction='mean' | 'sum')`` (the
+    ``loss_reduce`` of :func:`lightning_det.nn.det_function_mode`): the global mean over the
+    non-ignored rows of every rank, or the global sum, rounded once to the logits' dtype.
+    At world size 1 it is bitwise ``det_cross_entropy``'s own reduction."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction: expected 'mean' or 'sum', got {reduction!r}")
+    return _global(values, reduction, mask, None, out_dtype)

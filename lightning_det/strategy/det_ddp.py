@@ -7,12 +7,13 @@ How it differs from Lightning's DDPStrategy:
   through every micro-batch of ``accumulate_grad_batches`` and through one int64 SUM all-reduce
   (gloo or NCCL; the same code on CPU and GPU), and are rounded once, before
   ``on_before_optimizer_step`` hooks and clipping see them;
-- the global mean is exact: a per-rank mean loss is scaled by 1/N inside the one rounding
-  (N a power of two), or the loss comes from ``lightning_det.global_mean`` (any N);
+- the global mean is exact: ``F.cross_entropy`` / ``nn.CrossEntropyLoss`` with reduction 'mean'
+  or 'sum', and ``lightning_det.global_mean``, reduce over every rank's rows (any N); another
+  per-rank mean loss is scaled by 1/N inside the one rounding (N a power of two);
 - one global, world-size independent sample order (``DeterministicSampler``): rank r gets its
   slice of every global batch;
-- ``F.scaled_dot_product_attention`` in the model runs through the exact attention kernel
-  (``det_function_mode`` around training and validation steps);
+- ``F.scaled_dot_product_attention`` and ``F.cross_entropy`` in the model run through the exact,
+  device-invariant det versions (``det_function_mode`` around training and validation steps);
 - gradient-norm clipping is exact (``clip_grad_norm_exact_``); ``self.log(..., sync_dist=True)``
   and ``reduce`` are exact reductions;
 - strict environment (deterministic algorithms, TF32 off, cuBLAS workspace, NCCL pinned);
@@ -36,7 +37,7 @@ from ..optim.clip import clip_grad_norm_exact_
 from ..parallel.audit import OpAudit
 from ..parallel.env import apply_strict_environment
 from ..parallel.grad_sync import grad_scale_exp, sync_gradients
-from ..parallel.loss import consume_global_mean_flag
+from ..parallel.loss import consume_global_mean_flag, global_loss_reduce
 from ..parallel.reduce import exact_reduce
 
 log = logging.getLogger(__name__)
@@ -169,13 +170,17 @@ class DeterministicStrategy(DDPStrategy):
         self.det_last_sync = stats
         return stats
 
+    def _function_mode(self):
+        # F.scaled_dot_product_attention / F.cross_entropy in the user's code go to the det
+        # versions; cross-entropy means and sums are taken over every rank's rows
+        return det_function_mode(strict=self.strict, loss_reduce=global_loss_reduce)
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        # F.scaled_dot_product_attention calls in the user's model go to the exact kernel
-        with det_function_mode():
+        with self._function_mode():
             return super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with det_function_mode():
+        with self._function_mode():
             return super().validation_step(*args, **kwargs)
 
     # ---- logging -------------------------------------------------------------------------

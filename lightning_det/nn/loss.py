@@ -1,0 +1,290 @@
+"""Exact, device-invariant cross-entropy: ``det_cross_entropy`` for (N, C) logits.
+
+PyTorch's ``F.cross_entropy`` is row-invariant on CPU but computes exp/log differently on CPU
+and CUDA, and its float sums depend on the column order. Here, per row i of x (N, C) (fp32;
+bf16/fp16 are widened exactly), with t the target class:
+
+    m   = max_j x[i, j]                              (exact)
+    e_j = det_exp(x[i, j] - m)                       (fp32 subtract, csrc/detmath.h exp, rounded once)
+    S   = round(exact sum_j e_j)                     (long accumulator, one rounding; for the gradient)
+    T   = round(exact (sum_j e_j) - 1)               (e of the max is exactly 1, so T >= 0; rounding
+                                                      S - 1 rather than S keeps small losses accurate)
+    l_i = fp32( (m - x[i, t]) + log1p(T) )           (fp64, log1p from IEEE + - * / only, below)
+
+Reductions: 'none' returns l rounded to x's dtype; 'sum' and 'mean' add the fp32 l_i exactly
+(digits) and round once to x's dtype; 'mean' divides the exact sum by the count of non-ignored
+rows inside that one rounding (Python integers), as ``lightning_det.global_mean`` does.
+
+Backward, with g_i the gradient of l_i (the output gradient, times round(1/count) for 'mean'):
+
+    dx[i, j] = (e_j / S - [j == t]) * g_i            (fp32 IEEE division, subtract, multiply)
+
+rounded to x's dtype. Every step is an elementwise IEEE operation, an exact selection or an
+exact long-accumulator sum, so a row's bytes depend only on that row (not on the other rows,
+the column order, the thread count or the device). Rows whose target is ``ignore_index`` get
+loss +0.0 and gradient +0.0 and do not count in the mean.
+
+Under ``det_ddp``, ``det_function_mode`` sends ``F.cross_entropy`` / ``nn.CrossEntropyLoss``
+here, and reductions 'mean' / 'sum' run over the global batch (every rank's rows), see
+:func:`lightning_det.nn.attention.det_function_mode`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from ..ops import det_combine, det_finalize, det_normalize, to_digits
+from ..ops.exact_scalar import mean_of_acc, reciprocal
+from ..ops.trust import trusted, trusted_fn
+from .functional import det_exp, det_row_sums
+
+__all__ = ["det_cross_entropy", "exact_loss_reduce", "cross_entropy_unsupported"]
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_REDUCTIONS = ("mean", "sum", "none")
+
+# log(2) split so that k * _LN2_HI is exact for |k| < 2^20 (its low 32 bits are zero).
+_LN2_HI = float.fromhex("0x1.62e42feep-1")
+_LN2_LO = float.fromhex("0x1.a39ef35793c76p-33")
+_SQRT_HALF = float.fromhex("0x1.6a09e667f3bcdp-1")  # only chooses a branch; any nearby value works
+_SQRT2_M1 = float.fromhex("0x1.a827999fcef32p-2")  # sqrt(2) - 1, likewise
+# 1/(2n+1): Python's int/int division is correctly rounded. Twelve terms of the atanh series:
+# |u| <= 0.1716 on the reduced range, so the first omitted term is below 2^-60 of the sum.
+_ATANH = tuple(1.0 / (2 * n + 1) for n in range(12))
+
+
+def _log1p_fp64(t: torch.Tensor) -> torch.Tensor:
+    """log(1 + t) for a float64 tensor of t >= 0 (or NaN), from IEEE + - * / and frexp only.
+
+    Why not ``torch.log1p``: CPU (glibc/SLEEF) and CUDA (libdevice) logs differ in the last bit.
+    Separate eager torch ops are single, correctly rounded IEEE operations on both (no FMA
+    contraction across ops), and frexp/doubling are exact, so this is the same fp64 function on
+    every device. Absolute error about 2^-52 * max(1, |log(1+t)|).
+
+    1 + t = 2^k f with f in [sqrt(1/2), sqrt(2)); log f = 2 atanh(u), u = (f - 1) / (f + 1).
+    For t < sqrt(2) - 1, k = 0 and u = t / (t + 2), so 1 + t is never rounded (t may be 1e-30).
+    For larger t (an fp32 value, so its ulp is >= 2^-25), 1 + t is exact in fp64.
+    """
+    small = t < _SQRT2_M1
+    mant, expo = torch.frexp(torch.where(small, torch.ones_like(t), t + 1.0))  # mant in [0.5, 1)
+    low = mant < _SQRT_HALF
+    f = torch.where(low, mant + mant, mant)  # exact doubling
+    k = torch.where(small, torch.zeros_like(expo), expo - low.to(expo.dtype)).to(torch.float64)
+    u = torch.where(small, t / (t + 2.0), (f - 1.0) / (f + 1.0))
+    w = u * u
+    p = torch.full_like(w, _ATANH[-1])
+    for c in reversed(_ATANH[:-1]):
+        p = p * w + c  # two eager ops: multiply, then add, each rounded once
+    return k * _LN2_HI + (k * _LN2_LO + (u + u) * p)
+
+
+class _CrossEntropyRows(torch.autograd.Function):
+    """Per-row fp32 losses l (N,) of logits x (N, C) and targets t (N,) (int64, ignored rows masked)."""
+
+    @staticmethod
+    @trusted_fn
+    def forward(ctx, x, target, valid):
+        # x (N, C) float32/bf16/fp16; target (N,) int64 in [0, C) where valid; valid (N,) bool
+        xf = x.float()  # exact widening
+        m = xf.amax(dim=1, keepdim=True)
+        e = det_exp(xf - m)
+        digits = det_row_sums(e)
+        s = det_finalize(digits)
+        minus_one = to_digits(torch.full_like(s, -1.0))
+        t_minus = det_finalize(det_combine([digits, minus_one])).double()
+        tgt = torch.where(valid, target, torch.zeros_like(target)).unsqueeze(1)
+        picked = xf.gather(1, tgt).squeeze(1)
+        loss = ((m.squeeze(1).double() - picked.double()) + _log1p_fp64(t_minus)).float()
+        loss = torch.where(valid, loss, torch.zeros_like(loss))
+        ctx.save_for_backward(e, s, tgt, valid)
+        ctx.x_dtype = x.dtype
+        return loss
+
+    @staticmethod
+    @trusted_fn
+    def backward(ctx, grad):
+        e, s, tgt, valid = ctx.saved_tensors
+        p = e / s.unsqueeze(1)  # tensor / tensor: a true IEEE division on CPU and CUDA
+        cols = torch.arange(e.shape[1], device=e.device).unsqueeze(0)
+        d = torch.where(cols == tgt, p - 1.0, p)
+        g = d * grad.float().unsqueeze(1)
+        g = torch.where(valid.unsqueeze(1), g, torch.zeros_like(g))
+        return g.to(ctx.x_dtype), None, None
+
+
+Combine = Callable[[torch.Tensor, int], Tuple[torch.Tensor, int]]
+
+
+class _ExactReduce(torch.autograd.Function):
+    """Exact sum or mean of every element of ``values`` (optionally masked), rounded once."""
+
+    @staticmethod
+    @trusted_fn
+    def forward(ctx, values, mask, count, mean, out_dtype, combine):
+        v = values.detach().reshape(-1)
+        if v.dtype not in _FLOATS:
+            v = v.float()
+        if mask is not None:
+            v = torch.where(mask.reshape(-1), v, torch.zeros_like(v))  # excluded elements add +0
+        # integer digit sums: exact and order-free (parallel on any device)
+        total = det_normalize(to_digits(v).sum(0, keepdim=True))
+        if combine is not None:
+            total, count = combine(total, count)
+        ctx.scale = None
+        if mean:
+            value = math.nan if count == 0 else mean_of_acc(total[0].tolist(), count, out_dtype)
+            out = torch.tensor(value, dtype=torch.float32, device=values.device).to(out_dtype)  # exact cast
+            # 1/count rounded once: the same number whatever the split (0 rows: torch's nan loss, zero grads)
+            ctx.scale = reciprocal(count) if count else 0.0
+        else:
+            out = det_finalize(total, out_dtype).reshape(())
+        ctx.save_for_backward(mask)
+        ctx.shape = values.shape
+        return out
+
+    @staticmethod
+    @trusted_fn
+    def backward(ctx, grad):
+        (mask,) = ctx.saved_tensors
+        g = grad.float()
+        if ctx.scale is not None:
+            g = g * ctx.scale  # one correctly rounded fp32 multiply (the scale is an fp32 value)
+        g = g.expand(ctx.shape)
+        if mask is not None:
+            g = torch.where(mask.reshape(ctx.shape), g, torch.zeros_like(g))
+        return g.contiguous(), None, None, None, None, None
+
+
+def exact_loss_reduce(
+    values: torch.Tensor,
+    reduction: str,
+    mask: Optional[torch.Tensor] = None,
+    out_dtype: torch.dtype = torch.float32,
+    count: Optional[int] = None,
+    combine: Optional[Combine] = None,
+) -> torch.Tensor:
+    """Exact 'sum' or 'mean' of ``values`` (any shape, float), rounded once to ``out_dtype``.
+
+    Args:
+        values: float32/bf16/fp16 tensor (other floats are cast to fp32 first).
+        reduction: 'sum' or 'mean'.
+        mask: optional bool tensor of ``values``' shape; False elements are left out of the sum
+            and the count, and get gradient +0.0.
+        out_dtype: float32, bfloat16 or float16.
+        count: the number of included elements when the caller already knows it (saves a sync).
+        combine: ``(digits (1, 19), count) -> (digits, count)`` applied before rounding: the
+            cross-rank sum of :func:`lightning_det.parallel.loss.global_mean` (None: this process).
+
+    Returns:
+        A 0-dim ``out_dtype`` tensor. Gradient: the output gradient (times round(1/count) for
+        'mean', an fp32 multiply) for each included element.
+    """
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"reduction: expected 'sum' or 'mean', got {reduction!r}")
+    if out_dtype not in _FLOATS:
+        raise TypeError(f"out_dtype: expected float32, bfloat16 or float16, got {out_dtype}")
+    if count is None:
+        with trusted():
+            count = values.numel() if mask is None else int(mask.sum())
+    return _ExactReduce.apply(values, mask, count, reduction == "mean", out_dtype, combine)
+
+
+def cross_entropy_unsupported(input, target, weight=None, size_average=None, reduce=None,
+                              label_smoothing: float = 0.0) -> Optional[str]:
+    """Why det_cross_entropy cannot take these arguments (a message naming the argument), or None.
+
+    These are the PyTorch options outside the det version; :func:`det_function_mode` leaves such
+    calls to PyTorch in non-strict mode. Malformed arguments (bad target dtype, shape, device,
+    reduction) are not listed here: det_cross_entropy raises for them.
+    """
+    if weight is not None:
+        return "weight: det_cross_entropy supports only weight=None (class weights are not implemented)"
+    if size_average is not None or reduce is not None:
+        return "size_average/reduce: deprecated arguments are not supported by det_cross_entropy; use reduction="
+    if label_smoothing != 0.0:
+        return f"label_smoothing: det_cross_entropy supports only label_smoothing=0.0, got {label_smoothing}"
+    if not isinstance(input, torch.Tensor) or input.dtype not in _FLOATS:
+        return (f"input: det_cross_entropy expects float32, bfloat16 or float16 logits, got "
+                f"{getattr(input, 'dtype', type(input).__name__)}")
+    if input.dim() != 2:
+        return (f"input: det_cross_entropy expects 2-D (N, C) logits, got shape {tuple(input.shape)}; for "
+                "(N, C, d1, ...) move the class dimension last and flatten to (N * d1 * ..., C)")
+    if isinstance(target, torch.Tensor) and target.is_floating_point():
+        return "target: class-probability (floating-point) targets are not supported by det_cross_entropy"
+    return None
+
+
+def _check(input, target, ignore_index, reduction) -> None:
+    if input.shape[1] == 0:
+        raise ValueError(f"input: expected at least one class (C >= 1), got shape {tuple(input.shape)}")
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target: expected a torch.Tensor, got {type(target).__name__}")
+    if target.dtype != torch.int64:
+        raise TypeError(f"target: expected int64 class indices, got {target.dtype}")
+    if tuple(target.shape) != (input.shape[0],):
+        raise ValueError(f"target: expected shape ({input.shape[0]},) for input {tuple(input.shape)}, "
+                         f"got {tuple(target.shape)}")
+    if target.device != input.device:
+        raise ValueError(f"target: expected device {input.device} like input, got {target.device}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction: expected 'mean', 'sum' or 'none', got {reduction!r}")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
+
+
+def cross_entropy_rows(input: torch.Tensor, target: torch.Tensor, ignore_index: int = -100):
+    """Per-row fp32 losses and the row mask: ``(l (N,) float32, valid (N,) bool, n_valid int)``.
+
+    The building block of det_cross_entropy and of det_ddp's global reduction; arguments must
+    already pass ``cross_entropy_unsupported`` (None) and are checked here. One host sync (the
+    target range check and the count).
+    """
+    _check(input, target, ignore_index, "none")
+    with trusted():
+        n, c = input.shape
+        valid = target != ignore_index
+        bad = valid & ((target < 0) | (target >= c))
+        n_bad, n_valid = (int(v) for v in torch.stack([bad.sum(), valid.sum()]).tolist())
+        if n_bad:
+            first = int(target[bad][0])
+            raise ValueError(f"target: {n_bad} value(s) outside [0, {c}) (and not ignore_index={ignore_index}), "
+                             f"e.g. {first}")
+    return _CrossEntropyRows.apply(input, target, valid), valid, n_valid
+
+
+def det_cross_entropy(
+    input: torch.Tensor,
+    target: torch.Tensor,
+    weight: Optional[torch.Tensor] = None,
+    size_average=None,
+    ignore_index: int = -100,
+    reduce=None,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """Exact, row- and device-invariant ``F.cross_entropy`` (see the module docstring).
+
+    Args:
+        input: (N, C) logits, float32, bfloat16 or float16.
+        target: (N,) int64 class indices in [0, C), or ``ignore_index``; on input's device.
+        weight, size_average, reduce: must be None (not supported).
+        ignore_index: target value whose rows get loss 0, gradient 0 and are left out of the mean.
+        reduction: 'mean' (over non-ignored rows; nan if there are none, as PyTorch), 'sum' or 'none'.
+        label_smoothing: must be 0.0.
+
+    Returns:
+        'none': (N,) losses of input's dtype; 'mean' / 'sum': a 0-dim tensor of input's dtype.
+        bf16/fp16 per-row losses are rounded via fp32 (two fixed roundings); reduced values are
+        rounded once from the exact sum of the fp32 per-row losses.
+    """
+    reason = cross_entropy_unsupported(input, target, weight, size_average, reduce, label_smoothing)
+    if reason is not None:
+        raise ValueError(reason)
+    _check(input, target, ignore_index, reduction)
+    rows, valid, n_valid = cross_entropy_rows(input, target, ignore_index)
+    if reduction == "none":
+        with trusted():
+            return rows.to(input.dtype)
+    return exact_loss_reduce(rows, reduction, mask=valid, out_dtype=input.dtype, count=n_valid)
