@@ -132,3 +132,14 @@ def test_large_k_beyond_2_19():
         for a, b in zip(x[i].double().tolist(), w[0].double().tolist()):
             s.add_product(a, b)
         assert got[i, 0].item() == R.round_sum(s), f"row {i}"
+
+
+@pytest.mark.parametrize("K", [31, 33, 100])
+def test_fp32_split_segment_edges(K):
+    # fp32 inputs run as four 12-bit-piece segments of K columns each (csrc/split.h). The kernels
+    # move the running sum into the digits where a segment ends, which for these K falls inside a
+    # 32-wide K-block; M, N give full 4 x 8 CPU tiles and ragged ones.
+    x, w = gen.normal((9, K), torch.float32, 50 + K), gen.normal((10, K), torch.float32, 60 + K)
+    x[2] *= 2.0 ** 20  # one row far larger, so the later segments' bits sit well below it
+    check_against_reference(x, w, what=f"fp32 split K={K}")
+    assert torch.equal(det_gemm_partial(x, w, _norm_interval=1), R.gemm_digits(x, w)), "normalize every add"

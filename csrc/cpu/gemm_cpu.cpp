@@ -50,8 +50,16 @@ struct GemmArgs {
   const int32_t* ws;
   const double* bias;  // (N,) or null
   int64_t M, N, K, nkb, interval;
+  int64_t seg = 0;        // K of one fp32 split segment (csrc/split.h), 0 when not split
   int out_fmt = kFmtF32;  // the one rounding goes straight to this format
 };
+
+// After the K-block that ends a split segment, S goes into the digits (exact) and restarts at
+// zero: each segment's pieces are 2^12 smaller than the last one's, so with S still at the
+// hi-hi magnitude nearly every later block would leave a TwoSum rounding error to the digits.
+inline bool segment_ends(const GemmArgs& g, int64_t kb) {
+  return g.seg > 0 && ((kb + 1) * LDET_KBLOCK) / g.seg != (kb * LDET_KBLOCK) / g.seg;
+}
 
 // Exact block sum on the fast path for a full TM x TN tile. Every partial sum is exact on this
 // path, so evaluation order and fma-vs-mul+add cannot change the result; we use whatever the
@@ -184,13 +192,23 @@ void run_gemm(const GemmArgs& g, void* out_f, int64_t* out_d) {
         if (full && tile_all_fast(g, i0, j0, kb)) {
           micro_block(g, i0, j0, k0, k1, blk);
           flush_tile(g, S, dig, adds, blk);
-          continue;
+        } else {
+          for (int a = 0; a < mm; ++a)
+            for (int b = 0; b < nn; ++b) {
+              const BlockPath path = block_path(g.xs[(i0 + a) * g.nkb + kb], g.ws[(j0 + b) * g.nkb + kb]);
+              pair_block(g, i0 + a, j0 + b, k0, k1, path, S[a][b], dig[a][b], adds[a][b]);
+            }
         }
-        for (int a = 0; a < mm; ++a)
-          for (int b = 0; b < nn; ++b) {
-            const BlockPath path = block_path(g.xs[(i0 + a) * g.nkb + kb], g.ws[(j0 + b) * g.nkb + kb]);
-            pair_block(g, i0 + a, j0 + b, k0, k1, path, S[a][b], dig[a][b], adds[a][b]);
-          }
+        if (segment_ends(g, kb))
+          for (int a = 0; a < mm; ++a)
+            for (int b = 0; b < nn; ++b) {
+              add_double(dig[a][b], S[a][b]);
+              S[a][b] = 0.0;
+              if (++adds[a][b] >= g.interval) {
+                normalize(dig[a][b]);
+                adds[a][b] = 0;
+              }
+            }
       }
       for (int a = 0; a < mm; ++a)
         for (int b = 0; b < nn; ++b) {
@@ -226,6 +244,7 @@ at::Tensor gemm_common_cpu(const at::Tensor& x, const at::Tensor& w, const c10::
   g.N = N;
   g.K = K;
   g.nkb = (K + LDET_KBLOCK - 1) / LDET_KBLOCK;
+  g.seg = xsplit.defined() ? x.size(1) : 0;
   g.interval = norm_interval > 0 ? norm_interval : LDET_NORM_INTERVAL;
   g.bias = bias.has_value() ? bd.data_ptr<double>() : nullptr;
   const std::vector<int32_t> xs = block_stats(g.x, M, K, K, 1);
