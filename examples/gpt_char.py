@@ -258,8 +258,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[Sequence[str]] = None) -> GPTModule:
-    """Trains as the command line says; returns the trained LightningModule (on every rank)."""
+def main(argv: Optional[Sequence[str]] = None, callbacks: Optional[Sequence[L.Callback]] = None) -> GPTModule:
+    """Trains as the command line says; returns the trained LightningModule (on every rank).
+
+    ``callbacks``: extra Lightning callbacks (e.g. benchmarks/multi_gpu.py's timer), run before
+    the DigestCallback's hooks."""
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -285,7 +288,7 @@ def main(argv: Optional[Sequence[str]] = None) -> GPTModule:
         strategy = DeterministicStrategy(seed=args.seed, strict=True)
     else:
         strategy = "ddp" if args.devices > 1 else "auto"
-    callbacks: list = [FinalReport()]
+    callbacks = [FinalReport(), *(callbacks or ())]
     if args.digests:
         from lightning_det.callbacks import DigestCallback
 
