@@ -143,3 +143,23 @@ def test_fp32_split_segment_edges(K):
     x[2] *= 2.0 ** 20  # one row far larger, so the later segments' bits sit well below it
     check_against_reference(x, w, what=f"fp32 split K={K}")
     assert torch.equal(det_gemm_partial(x, w, _norm_interval=1), R.gemm_digits(x, w)), "normalize every add"
+
+
+def test_fp32_epilogue_from_the_running_sum_edges():
+    # When no digit was ever needed the CPU kernel rounds the fp64 running sum straight to fp32.
+    # Sums that land on fp32 subnormals, on exact rounding ties, beyond the fp32 range, exactly on
+    # zero (+0.0, never -0.0) and a negative subnormal must round exactly as the reference does.
+    b = torch.bfloat16
+    x = torch.zeros(8, 32, dtype=b)
+    w = torch.zeros(8, 32, dtype=b)
+    x[0, :3], w[0, :3] = torch.tensor([2.0 ** -70, 3 * 2.0 ** -72, 2.0 ** -75]), torch.tensor([2.0 ** -70, 2.0 ** -69, 1.0])
+    x[1, :2], w[1, :2] = torch.tensor([1.0, 2.0 ** -24]), torch.tensor([1.0, 1.0])  # 1 + 2^-24: a tie
+    x[2, :2], w[2, :2] = torch.tensor([1.0, 3 * 2.0 ** -25]), torch.tensor([1.0, 1.0])  # above the tie
+    x[3, :2], w[3, :2] = torch.tensor([2.0 ** 100, 2.0 ** 100]), torch.tensor([2.0 ** 28, 2.0 ** 28])  # 2^129
+    x[4, :2], w[4, :2] = torch.tensor([1.5, -1.5]), torch.tensor([2.0, 2.0])  # exact zero
+    x[5, 0], w[5, 0] = -(2.0 ** -75), 2.0 ** -75  # -2^-150: rounds to -0.0 or the smallest subnormal
+    x[6, 0], w[6, 0] = -(3 * 2.0 ** -76), 2.0 ** -74  # -3 * 2^-150
+    x[7, 0], w[7, 0] = 2.0 ** 127, 1.5  # 1.5 * 2^127: finite, just inside the range
+    check_against_reference(x, w, what="epilogue edges")
+    got = det_gemm(x, w)
+    assert not torch.signbit(got[4, 4]), "an exact zero must come out as +0.0"

@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <limits>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -21,6 +22,9 @@
 
 namespace ldet {
 namespace {
+
+static_assert(std::numeric_limits<double>::is_iec559 && std::numeric_limits<float>::is_iec559,
+              "the fp32 epilogue's double -> float conversion relies on IEEE rounding");
 
 constexpr int TM = 4;
 constexpr int TN = 8;
@@ -167,6 +171,12 @@ inline void pair_block(const GemmArgs& g, int64_t i, int64_t j, int64_t k0, int6
   for (int64_t k = k0; k < k1; ++k) acc_any(S, dig, adds, g.interval, xr[k] * g.wt[k * g.N + j]);
 }
 
+inline bool all_zero(const int64_t* d) {
+  int64_t any = 0;
+  for (int q = 0; q < LDET_WORDS; ++q) any |= d[q];
+  return any == 0;
+}
+
 template <bool kFinalize>
 void run_gemm(const GemmArgs& g, void* out_f, int64_t* out_d) {
   const int64_t tiles_m = (g.M + TM - 1) / TM;
@@ -213,8 +223,15 @@ void run_gemm(const GemmArgs& g, void* out_f, int64_t* out_d) {
       for (int a = 0; a < mm; ++a)
         for (int b = 0; b < nn; ++b) {
           if (g.bias) acc_any(S[a][b], dig[a][b], adds[a][b], g.interval, g.bias[j0 + b]);
-          acc_finish(S[a][b], dig[a][b]);
           const int64_t o = (i0 + a) * g.N + (j0 + b);
+          if (kFinalize && g.out_fmt == kFmtF32 && all_zero(dig[a][b])) {
+            // The exact sum is S itself: IEEE double -> float conversion is the one correct
+            // rounding (nearest-even, subnormals and overflow included), the same value
+            // finalize_fp32 gives, at a fraction of normalize + round_acc. Exact zero is +0.0.
+            static_cast<float*>(out_f)[o] = S[a][b] == 0.0 ? 0.0f : static_cast<float>(S[a][b]);
+            continue;
+          }
+          acc_finish(S[a][b], dig[a][b]);
           if (kFinalize) {
             store_fmt(out_f, o, finalize_fmt(dig[a][b], g.out_fmt), g.out_fmt);
           } else {
