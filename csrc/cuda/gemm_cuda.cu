@@ -151,16 +151,7 @@ __device__ __noinline__ void add_error(int64_t* d, double e, int64_t interval) {
 
 __device__ __noinline__ double exact_block(double S, int64_t* d, const double* xr, const double* wr, int64_t interval) {
 #pragma unroll 1
-  for (int kk = 0; kk < BK; ++kk) {
-    const double t = xr[kk] * wr[kk];  // exact in fp64
-    if (is_finite(t)) {
-      double e;
-      S = two_sum(S, t, &e);
-      if (e != 0.0) add_error(d, e, interval);
-    } else {
-      add_special(d, t);
-    }
-  }
+  for (int kk = 0; kk < BK; ++kk) acc_any(S, d, d[ADDS], interval, xr[kk] * wr[kk]);  // products exact in fp64
   return S;
 }
 
@@ -178,16 +169,7 @@ __device__ __noinline__ void finish_output(double S, int64_t* d, bool touched, c
     zero_digits(tmp);
     d = tmp;
   }
-  if (bias) {
-    const double t = bias[gn];
-    if (is_finite(t)) {
-      double e;
-      S = two_sum(S, t, &e);
-      if (e != 0.0) add_error(d, e, interval);
-    } else {
-      add_special(d, t);
-    }
-  }
+  if (bias) acc_any(S, d, d[ADDS], interval, bias[gn]);
   acc_finish(S, d);
   if (kFinalize) {
     store_fmt(out_f, off, finalize_fmt(d, out_fmt), out_fmt);
