@@ -128,3 +128,41 @@ def test_cuda_mixed_paths_in_one_tile(dtype, K):
     assert_bitwise(full.cpu(), det_gemm(x, w), "det_gemm CPU vs CUDA")
     for m in (1, 63, 65):
         assert_bitwise(det_gemm(x[:m].cuda(), w.cuda()), full[:m], f"rows {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_running_bound_transitions(dtype):
+    # The tensor cores add K-blocks straight into the running sums while a per-warp bound proves
+    # every partial sum exact; these rows drive that bound through each of its exits:
+    #   rows 0-15   large narrow blocks, then tiny narrow ones: the bound fails, the re-measured
+    #               |S| fails too, S moves into the digits and restarts;
+    #   rows 16-31  all-positive terms that grow S steadily beside one low bit per block: the
+    #               worst-case growth fails first, the re-measured |S| lets it go on;
+    #   rows 32-47  an inf and a NaN in the middle of K, ordinary blocks after them;
+    #   rows 48-63  a block too wide on its own (output by output), then ordinary blocks.
+    # Every other row is ordinary, so one warp mixes threads that pass with threads that fail.
+    K = 1024
+    x, w = gen.normal((130, K), dtype, 50), gen.normal((70, K), dtype, 51)
+    x[0:16, :256] *= 2.0 ** 25
+    x[0:16, 256:512] *= 2.0 ** -25
+    x[16:32] = x[16:32].abs() + 1.0
+    w[0:40] = w[0:40].abs()
+    x[16:32, ::32] = 2.0 ** -30
+    x[32, 300], x[33, 400] = float("inf"), float("nan")
+    x[48:64, 64] = 2.0 ** 60
+    x[48:64, 65] = 2.0 ** -60
+    if dtype == torch.float32:  # an inf turns the 12-bit split off for the whole GEMM: keep it on
+        x[32, 300], x[33, 400] = 3.0, 5.0
+    acc_cpu = det_gemm_partial(x, w)
+    acc_gpu = det_gemm_partial(x.cuda(), w.cuda())
+    assert torch.equal(acc_cpu, acc_gpu.cpu())
+    rows = [0, 17, 50]  # one of each kind, a few outputs (the Python reference is slow)
+    assert torch.equal(acc_cpu[rows, :2], R.gemm_digits(x[rows], w[:2])), "CPU vs the Python reference"
+    full = det_gemm(x.cuda(), w.cuda())
+    assert_bitwise(full.cpu(), det_gemm(x, w), "det_gemm CPU vs CUDA")
+    for m in (1, 20, 65):
+        assert_bitwise(det_gemm(x[:m].cuda(), w.cuda()), full[:m], f"rows {m}")
+    # control: cuBLAS (fp32 accumulation) is not the exact sum on these rows
+    torch.backends.cuda.matmul.allow_tf32 = False
+    fin = torch.isfinite(full[:32])
+    assert not torch.equal((x.float().cuda() @ w.float().cuda().T)[:32][fin], full[:32][fin])

@@ -127,18 +127,6 @@ struct Stager {
   }
 };
 
-// Spread of a packed statistic for the all-outputs-at-once check: empty blocks contribute
-// nothing (their block sum is an exact zero), specials force the per-output decision.
-__device__ __forceinline__ int stat_spread(int32_t s, bool& special) {
-  const int hi = stat_hi(s);
-  if (hi == kStatSpecial) {
-    special = true;
-    return 0;
-  }
-  if (hi == kStatEmpty) return -1000;
-  return hi - stat_lo(s);
-}
-
 // The rare, heavy steps live out of line so the 32-way unrolled kernel body stays small: a
 // rounding error into the digits, a block product by product, and the epilogue.
 __device__ __noinline__ void add_error(int64_t* d, double e, int64_t interval) {
@@ -178,8 +166,53 @@ __device__ __noinline__ void finish_output(double S, int64_t* d, bool touched, c
   }
 }
 
+// --- v3: the tensor cores accumulate straight into S while a running bound proves it exact ---
+//
+// S[o] of every output of a thread is a multiple of 2^Lrun (the lowest bit any term added so far
+// can have) and |S[o]| <= Mb. For the next block, with rows/columns statistics of this thread,
+//   bL = min lo(x rows) + min lo(w cols)   every product is a multiple of 2^bL,
+//   Bb = 2^(max hi(x) + max hi(w) + 2 + log2 BK)   > the sum of the block's |products|,
+// every partial sum the MMA can form from S[o] and the block's products is a multiple of
+// 2^L (L = min(Lrun, bL)) and smaller than Mb + Bb in magnitude. When Mb + Bb <= 2^(L+53)
+// (rounded up) every one of them is representable, so the MMA's result is the exact sum, in
+// whatever order the hardware adds. The check costs a few instructions per thread and block,
+// instead of a TwoSum and a branch per output. When it fails, Mb is first re-measured on the
+// actual S (the worst-case growth is pessimistic); if it still fails and the block alone would
+// pass, S moves into the digits (exact) and restarts at zero; only blocks whose own spread is too
+// wide (or that hold inf/NaN) go output by output (TwoSum of the MMA block sum, or product by
+// product). mma.sync needs the whole warp, so the decision is made per warp (__all_sync).
+
+#ifndef LDET_GEMM_MIN_BLOCKS
+#define LDET_GEMM_MIN_BLOCKS 2
+#endif
+constexpr int kNoLow = 4000;  // Lrun while S holds no term yet (S == 0 is a multiple of anything)
+
+// 2^e as a double, for the exponents the bound meets (clamped to the normal range).
+__device__ __forceinline__ double pow2(int e) {
+  e = max(-1022, min(1023, e));
+  return __longlong_as_double(static_cast<long long>(e + 1023) << 52);
+}
+
+// A statistic as two int16 lanes that __vmaxs2 reduces: (hi, -lo). An empty block is neutral in
+// both lanes; an inf/NaN block sets hi to kStatSpecial, which survives every max.
+__device__ __forceinline__ uint32_t stat_maxable(int32_t s) {
+  const int hi = stat_hi(s);
+  if (hi == kStatEmpty) return 0x80008000u;
+  const int neg_lo = hi == kStatSpecial ? -32768 : -stat_lo(s);
+  return (uint32_t(uint16_t(int16_t(hi))) << 16) | uint16_t(int16_t(neg_lo));
+}
+
+// An upper bound of max |S[o]| over a thread's outputs, from the high words only.
+template <int N>
+__device__ __forceinline__ double max_abs_bound(const double (&S)[N]) {
+  int m = 0;
+#pragma unroll
+  for (int o = 0; o < N; ++o) m = max(m, __double2hiint(S[o]) & 0x7fffffff);
+  return __hiloint2double(m, -1);  // low word all ones: >= every |S[o]| with that high word
+}
+
 template <typename T, bool kFinalize>
-__global__ void __launch_bounds__(THREADS, 2)
+__global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
     gemm_kernel(const T* __restrict__ x, const T* __restrict__ w, const int32_t* __restrict__ xs,
                 const int32_t* __restrict__ ws, const double* __restrict__ bias, int64_t M, int64_t N, int64_t K,
                 int64_t nkb, int64_t interval, int64_t seg, bool vec_ok, int out_fmt, void* __restrict__ out_f,
@@ -187,6 +220,9 @@ __global__ void __launch_bounds__(THREADS, 2)
   __shared__ __align__(16) double xsh[BM][SK];
   __shared__ __align__(16) double wsh[BN][SK];
   __shared__ int32_t xst[BM], wst[BN];
+  // Per-thread-group reductions of the statistics, (hi, -lo) lanes: a thread's 4 rows are one
+  // group (warp row half, fragment row), its 8 columns another (warp column half, fragment col).
+  __shared__ uint32_t rowgrp[2][8], colgrp[2][4];
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int wm = (warp / 2) * WM, wn = (warp % 2) * WN;
@@ -199,6 +235,8 @@ __global__ void __launch_bounds__(THREADS, 2)
   uint32_t touched = 0;
 #pragma unroll
   for (int o = 0; o < NOUT; ++o) S[o] = 0.0;
+  double Mb = 0.0;     // >= max |S[o]| of this thread
+  int Lrun = kNoLow;   // every S[o] is a multiple of 2^Lrun
 
   auto digits = [&](int o) -> int64_t* {
     if (!(touched & (1u << o))) {
@@ -212,102 +250,152 @@ __global__ void __launch_bounds__(THREADS, 2)
     S[o] = two_sum(S[o], t, &e);
     if (e != 0.0) add_error(digits(o), e, interval);
   };
+  auto flush = [&]() {  // S -> digits (exact); S restarts at zero
+#pragma unroll
+    for (int o = 0; o < NOUT; ++o)
+      if (S[o] != 0.0) {
+        add_error(digits(o), S[o], interval);
+        S[o] = 0.0;
+      }
+    Mb = 0.0;
+    Lrun = kNoLow;
+  };
+  // One m16n8k8 tile (mt, nt) over the staged K-block, added into the accumulators c.
+  auto mma_tile = [&](double (&c)[4], int mt, int nt) {
+#pragma unroll
+    for (int k8 = 0; k8 < BK; k8 += 8) {
+      double a[4], b[2];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) a[q] = xsh[wm + mt * 16 + (q % 2) * 8 + fr][k8 + (q / 2) * 4 + fc];
+#pragma unroll
+      for (int q = 0; q < 2; ++q) b[q] = wsh[wn + nt * 8 + fr][k8 + q * 4 + fc];
+      mma_16x8x8(c, a, b);
+    }
+  };
 
   Stager<T> sx, sw;
-  int32_t stx = 0, stw = 0;
+  int32_t st = 0;  // thread t < 64: row t's statistic; 64 <= t < 128: column t - 64's
   auto prefetch = [&](int64_t kb) {
     sx.load(x, M, K, m0, kb * BK, vec_ok);
     sw.load(w, N, K, n0, kb * BK, vec_ok);
     const int t = threadIdx.x;
-    if (t < BM) stx = (m0 + t < M) ? xs[kb * M + m0 + t] : pack_stat(kStatEmpty, 0);
-    else if (t < BM + BN) stw = (n0 + t - BM < N) ? ws[kb * N + n0 + t - BM] : pack_stat(kStatEmpty, 0);
+    if (t < BM) st = (m0 + t < M) ? xs[kb * M + m0 + t] : pack_stat(kStatEmpty, 0);
+    else st = (n0 + t - BM < N) ? ws[kb * N + n0 + t - BM] : pack_stat(kStatEmpty, 0);
   };
+  static_assert(BM + BN == THREADS && BM == 64 && BN == 64, "one statistic per thread; warps 0-1 rows, 2-3 columns");
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr bool mma_ok = true;
+#else
+  constexpr bool mma_ok = false;  // no fp64 MMA: every block goes output by output, product by product
+#endif
 
   prefetch(0);
   for (int64_t kb = 0; kb < nkb; ++kb) {
     sx.store(xsh);
     sw.store(wsh);
-    if (threadIdx.x < BM) xst[threadIdx.x] = stx;
-    else if (threadIdx.x < BM + BN) wst[threadIdx.x - BM] = stw;
+    {
+      // Rows: lane = fr + 8 tm (reduce over lane bits 3, 4). Columns: lane = 8 jj + 2 fc + i
+      // (reduce over bits 0, 3, 4). Warps 0-1 hold rows, 2-3 columns: the branch is per warp.
+      if (warp < 2) xst[threadIdx.x] = st;
+      else wst[threadIdx.x - BM] = st;
+      uint32_t v = stat_maxable(st);
+      v = __vmaxs2(v, __shfl_xor_sync(0xffffffffu, v, 8));
+      v = __vmaxs2(v, __shfl_xor_sync(0xffffffffu, v, 16));
+      if (warp >= 2) v = __vmaxs2(v, __shfl_xor_sync(0xffffffffu, v, 1));
+      if (warp < 2 && lane < 8) rowgrp[warp][lane] = v;
+      if (warp >= 2 && lane < 8 && !(lane & 1)) colgrp[warp - 2][lane >> 1] = v;
+    }
     __syncthreads();
     if (kb + 1 < nkb) prefetch(kb + 1);  // in flight while this block is computed
 
-    double blk[NOUT];
+    const uint32_t rg = rowgrp[warp / 2][fr], cg = colgrp[warp % 2][fc];
+    const int rh = int(int16_t(rg >> 16)), ch = int(int16_t(cg >> 16));
+    const bool special = rh == kStatSpecial || ch == kStatSpecial;
+    const bool empty = rh == kStatEmpty || ch == kStatEmpty;  // every product of this thread is 0
+    const int bL = -(int(int16_t(rg & 0xffffu)) + int(int16_t(cg & 0xffffu)));
+    static_assert(BK == 32, "Bb's 2^(2+5): |x| < 2^(hi+1), |w| < 2^(hi+1), 32 products");
+    const double Bb = empty ? 0.0 : pow2(rh + ch + 2 + 5);
+    auto fits = [&]() { return empty || __dadd_ru(Mb, Bb) <= pow2(min(Lrun, bL) + 53); };
+    bool ok = mma_ok && !special && fits();
+    bool all_ok = __all_sync(0xffffffffu, ok);
+    if (mma_ok && !all_ok) {  // warp-uniform
+      if (!ok && !special) {
+        Mb = max_abs_bound(S);  // the running bound only ever grows: measure the real one
+        ok = fits();
+        if (!ok && Bb <= pow2(bL + 53)) {
+          flush();  // the block alone is exact: restart S from zero
+          ok = true;
+        }
+      }
+      all_ok = __all_sync(0xffffffffu, ok);
+    }
+    if (all_ok) {
+      // Every partial sum is exact: the tensor cores add the block straight into S. k8 outer,
+      // so each fragment is loaded from shared memory once per block.
 #pragma unroll
-    for (int o = 0; o < NOUT; ++o) blk[o] = 0.0;
+      for (int k8 = 0; k8 < BK; k8 += 8) {
+        double a[2][4], b[TN][2];
 #pragma unroll
-    for (int k8 = 0; k8 < BK; k8 += 8) {
-      double a[2][4], b[TN][2];
+        for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
+          for (int q = 0; q < 4; ++q) a[mt][q] = xsh[wm + mt * 16 + (q % 2) * 8 + fr][k8 + (q / 2) * 4 + fc];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) a[mt][q] = xsh[wm + mt * 16 + (q % 2) * 8 + fr][k8 + (q / 2) * 4 + fc];
+        for (int nt = 0; nt < TN; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < TN; ++nt)
+          for (int q = 0; q < 2; ++q) b[nt][q] = wsh[wn + nt * 8 + fr][k8 + q * 4 + fc];
 #pragma unroll
-        for (int q = 0; q < 2; ++q) b[nt][q] = wsh[wn + nt * 8 + fr][k8 + q * 4 + fc];
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < TN; ++nt) {
+            // Tile (mt, nt)'s accumulator i is output (row slot 2 mt + i/2, column slot 2 nt + i%2).
+            double c[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) c[i] = S[(mt * 2 + i / 2) * (TN * 2) + nt * 2 + i % 2];
+            mma_16x8x8(c, a[mt], b[nt]);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) S[(mt * 2 + i / 2) * (TN * 2) + nt * 2 + i % 2] = c[i];
+          }
+      }
+      if (!empty) {
+        Mb = __dadd_ru(Mb, Bb);
+        Lrun = min(Lrun, bL);
+      }
+    } else {
+      // Output by output, as in v2: each MMA tile's block sums from zero, then per output the
+      // pair's own statistics decide between a TwoSum of the block sum and product by product.
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int nt = 0; nt < TN; ++nt) {
-          // Tile (mt, nt)'s accumulator i is output (row slot 2 mt + i/2, column slot 2 nt + i%2).
-          double c[4];
+          double c[4] = {0.0, 0.0, 0.0, 0.0};
+          mma_tile(c, mt, nt);  // the whole warp, whatever each thread then does with it
 #pragma unroll
-          for (int i = 0; i < 4; ++i) c[i] = blk[(mt * 2 + i / 2) * (TN * 2) + nt * 2 + i % 2];
-          mma_16x8x8(c, a[mt], b[nt]);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) blk[(mt * 2 + i / 2) * (TN * 2) + nt * 2 + i % 2] = c[i];
+          for (int i = 0; i < 4; ++i) {
+            const int tm = mt * 2 + i / 2, j = nt * 2 + i % 2, o = tm * (TN * 2) + j;
+            const int32_t rs = xst[wm + tm * 8 + fr], cs = wst[wn + nt * 8 + 2 * fc + i % 2];
+            BlockPath path = block_path(rs, cs);
+            if (path == kPathSkip) continue;
+            if (path == kPathFast && !mma_ok) path = kPathExact;
+            if (path == kPathFast) {
+              add_term(o, c[i]);
+            } else {
+              S[o] = exact_block(S[o], digits(o), xsh[wm + tm * 8 + fr], wsh[wn + nt * 8 + 2 * fc + i % 2],
+                                 interval);
+            }
+          }
         }
-    }
-
-    // The statistics of this thread's 4 rows and 8 columns.
-    int32_t rs[TM], cs[TN * 2];
-    bool special = false;
-    int rmax = -1000, cmax = -1000;
-#pragma unroll
-    for (int tm = 0; tm < TM; ++tm) {
-      rs[tm] = xst[wm + tm * 8 + fr];
-      rmax = max(rmax, stat_spread(rs[tm], special));
-    }
-#pragma unroll
-    for (int j = 0; j < TN * 2; ++j) {
-      cs[j] = wst[wn + (j / 2) * 8 + 2 * fc + (j % 2)];
-      cmax = max(cmax, stat_spread(cs[j], special));
-    }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    const bool mma_ok = true;
-#else
-    const bool mma_ok = false;  // no fp64 MMA: every block goes output by output
-#endif
-    if (mma_ok && !special && rmax + cmax <= LDET_FAST_SPREAD) {
-#pragma unroll
-      for (int o = 0; o < NOUT; ++o) add_term(o, blk[o]);  // empty blocks give an exact 0
-    } else {
-#pragma unroll
-      for (int o = 0; o < NOUT; ++o) {
-        const int tm = o / (TN * 2), j = o % (TN * 2);
-        BlockPath path = block_path(rs[tm], cs[j]);
-        if (path == kPathSkip) continue;
-        if (path == kPathFast && !mma_ok) path = kPathExact;
-        if (path == kPathFast) {
-          add_term(o, blk[o]);
-        } else {
-          S[o] = exact_block(S[o], digits(o), xsh[wm + tm * 8 + fr], wsh[wn + (j / 2) * 8 + 2 * fc + (j % 2)],
-                             interval);
-        }
+      if (special) {
+        flush();  // the finite values of an inf/NaN block have no lo statistic: restart S
+      } else {
+        Mb = max_abs_bound(S);
+        if (!empty) Lrun = min(Lrun, bL);
       }
     }
     // Segment edge of the fp32 split (x' = [xh|xh|xl|xl]): the pieces' scales drop by 2^12 per
-    // segment, so S is moved into the digits here (exact) and restarts small. Otherwise S would stay
-    // at the hi-hi magnitude and nearly every lo-lo block would leave a TwoSum error.
-    if (seg > 0 && ((kb + 1) * BK) / seg != (kb * BK) / seg) {
-#pragma unroll
-      for (int o = 0; o < NOUT; ++o)
-        if (S[o] != 0.0) {
-          add_error(digits(o), S[o], interval);
-          S[o] = 0.0;
-        }
-    }
+    // segment, so S is moved into the digits here (exact) and restarts small; otherwise the
+    // lo-lo segment's low bits would not fit beside the hi-hi magnitude of S.
+    if (seg > 0 && ((kb + 1) * BK) / seg != (kb * BK) / seg) flush();
     __syncthreads();
   }
 
@@ -316,8 +404,19 @@ __global__ void __launch_bounds__(THREADS, 2)
     const int tm = o / (TN * 2), j = o % (TN * 2);
     const int64_t gm = m0 + wm + tm * 8 + fr, gn = n0 + wn + (j / 2) * 8 + 2 * fc + (j % 2);
     if (gm >= M || gn >= N) continue;
-    finish_output<kFinalize>(S[o], dig[o], (touched >> o) & 1u, bias, gn, interval, gm * N + gn, out_fmt, out_f,
-                             out_d);
+    const bool was_touched = (touched >> o) & 1u;
+    if (kFinalize && out_fmt == kFmtF32 && !was_touched) {
+      // No digit was needed: the exact sum is S (+ bias, when that add is exact too), and the
+      // IEEE double -> float conversion is the one correct rounding finalize_fp32 gives
+      // (nearest-even, subnormals and overflow included; exact zero is +0.0, as on the CPU).
+      double s = S[o], e = 0.0;
+      if (bias) s = is_finite(bias[gn]) ? two_sum(S[o], bias[gn], &e) : (e = 1.0, 0.0);
+      if (e == 0.0) {
+        static_cast<float*>(out_f)[gm * N + gn] = s == 0.0 ? 0.0f : __double2float_rn(s);
+        continue;
+      }
+    }
+    finish_output<kFinalize>(S[o], dig[o], was_touched, bias, gn, interval, gm * N + gn, out_fmt, out_f, out_d);
   }
 }
 
