@@ -166,26 +166,27 @@ __device__ __noinline__ void finish_output(double S, int64_t* d, bool touched, c
   }
 }
 
-// --- v3: the tensor cores accumulate straight into S while a running bound proves it exact ---
+// --- v3: exact chunks on the tensor cores, one TwoSum per output per chunk ---
 //
-// S[o] of every output of a thread is a multiple of 2^Lrun (the lowest bit any term added so far
-// can have) and |S[o]| <= Mb. For the next block, with rows/columns statistics of this thread,
+// Besides the running sum S (TwoSum, rounding errors into the digits) every output has a chunk
+// accumulator C into which the tensor cores add K-blocks directly, as long as a bound proves every
+// partial sum exact. C is a multiple of 2^Lc (the lowest bit any of its terms can have) and
+// |C| <= Cb. For the next block, with the statistics of this thread's rows and columns,
 //   bL = min lo(x rows) + min lo(w cols)   every product is a multiple of 2^bL,
 //   Bb = 2^(max hi(x) + max hi(w) + 2 + log2 BK)   > the sum of the block's |products|,
-// every partial sum the MMA can form from S[o] and the block's products is a multiple of
-// 2^L (L = min(Lrun, bL)) and smaller than Mb + Bb in magnitude. When Mb + Bb <= 2^(L+53)
-// (rounded up) every one of them is representable, so the MMA's result is the exact sum, in
-// whatever order the hardware adds. The check costs a few instructions per thread and block,
-// instead of a TwoSum and a branch per output. When it fails, Mb is first re-measured on the
-// actual S (the worst-case growth is pessimistic); if it still fails and the block alone would
-// pass, S moves into the digits (exact) and restarts at zero; only blocks whose own spread is too
-// wide (or that hold inf/NaN) go output by output (TwoSum of the MMA block sum, or product by
-// product). mma.sync needs the whole warp, so the decision is made per warp (__all_sync).
+// every partial sum the MMA can form from C and the block is a multiple of 2^min(Lc, bL) and
+// below Cb + Bb in magnitude; when Cb + Bb <= 2^(min(Lc, bL) + 53) (rounded up) each of them is
+// representable, so the MMA's result is exact whatever order the hardware adds in. When the
+// bound fails, Cb is re-measured on the actual C; if it still fails, the chunk closes (S += C by
+// TwoSum, C = 0) and the block starts the next one. Blocks that fail on their own (spread too
+// wide, or inf/NaN) go output by output into S, as in v2 (C is left as it is). mma.sync needs the
+// whole warp, so the path is chosen per warp (__all_sync); each thread keeps its own bound.
+// Per output that is one TwoSum per chunk of many blocks instead of one per block.
 
 #ifndef LDET_GEMM_MIN_BLOCKS
 #define LDET_GEMM_MIN_BLOCKS 2
 #endif
-constexpr int kNoLow = 4000;  // Lrun while S holds no term yet (S == 0 is a multiple of anything)
+constexpr int kNoLow = 4000;  // Lc while C holds no term yet (C == 0 is a multiple of anything)
 
 // 2^e as a double, for the exponents the bound meets (clamped to the normal range).
 __device__ __forceinline__ double pow2(int e) {
@@ -202,13 +203,13 @@ __device__ __forceinline__ uint32_t stat_maxable(int32_t s) {
   return (uint32_t(uint16_t(int16_t(hi))) << 16) | uint16_t(int16_t(neg_lo));
 }
 
-// An upper bound of max |S[o]| over a thread's outputs, from the high words only.
+// An upper bound of max |C[o]| over a thread's outputs, from the high words only.
 template <int N>
 __device__ __forceinline__ double max_abs_bound(const double (&S)[N]) {
   int m = 0;
 #pragma unroll
   for (int o = 0; o < N; ++o) m = max(m, __double2hiint(S[o]) & 0x7fffffff);
-  return __hiloint2double(m, -1);  // low word all ones: >= every |S[o]| with that high word
+  return __hiloint2double(m, -1);  // low word all ones: >= every |C[o]| with that high word
 }
 
 template <typename T, bool kFinalize>
@@ -230,13 +231,18 @@ __global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
   const int fr = lane / 4, fc = lane % 4;  // fragment row g / column t of the MMA tiles
 
   // Output o = (tm * TN + tn) * 2 + i sits at tile row wm + tm*8 + fr, column wn + tn*8 + 2*fc + i.
-  double S[NOUT];
+  // exact sum = S + C + digits. C lives in registers (the tensor cores' accumulators); S, touched
+  // once per chunk, in dynamic shared memory (Ssh[o][thread]: conflict-free), which keeps the
+  // registers below the spill limit.
+  extern __shared__ double Ssh[];
+  auto S = [&](int o) -> double& { return Ssh[o * THREADS + threadIdx.x]; };
+  double C[NOUT];
   int64_t dig[NOUT][LDET_WORDS + 1];  // local memory: digits + addition counter, zeroed lazily
   uint32_t touched = 0;
 #pragma unroll
-  for (int o = 0; o < NOUT; ++o) S[o] = 0.0;
-  double Mb = 0.0;     // >= max |S[o]| of this thread
-  int Lrun = kNoLow;   // every S[o] is a multiple of 2^Lrun
+  for (int o = 0; o < NOUT; ++o) S(o) = C[o] = 0.0;
+  double Cb = 0.0;   // >= max |C[o]| of this thread
+  int Lc = kNoLow;   // every C[o] is a multiple of 2^Lc
 
   auto digits = [&](int o) -> int64_t* {
     if (!(touched & (1u << o))) {
@@ -247,18 +253,17 @@ __global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
   };
   auto add_term = [&](int o, double t) {  // acc_term with lazily zeroed digits
     double e;
-    S[o] = two_sum(S[o], t, &e);
+    S(o) = two_sum(S(o), t, &e);
     if (e != 0.0) add_error(digits(o), e, interval);
   };
-  auto flush = [&]() {  // S -> digits (exact); S restarts at zero
+  auto close_chunk = [&]() {  // S += C (TwoSum, exact with the digits); the next chunk starts at 0
 #pragma unroll
-    for (int o = 0; o < NOUT; ++o)
-      if (S[o] != 0.0) {
-        add_error(digits(o), S[o], interval);
-        S[o] = 0.0;
-      }
-    Mb = 0.0;
-    Lrun = kNoLow;
+    for (int o = 0; o < NOUT; ++o) {
+      add_term(o, C[o]);
+      C[o] = 0.0;
+    }
+    Cb = 0.0;
+    Lc = kNoLow;
   };
   // One m16n8k8 tile (mt, nt) over the staged K-block, added into the accumulators c.
   auto mma_tile = [&](double (&c)[4], int mt, int nt) {
@@ -316,22 +321,20 @@ __global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
     const int bL = -(int(int16_t(rg & 0xffffu)) + int(int16_t(cg & 0xffffu)));
     static_assert(BK == 32, "Bb's 2^(2+5): |x| < 2^(hi+1), |w| < 2^(hi+1), 32 products");
     const double Bb = empty ? 0.0 : pow2(rh + ch + 2 + 5);
-    auto fits = [&]() { return empty || __dadd_ru(Mb, Bb) <= pow2(min(Lrun, bL) + 53); };
-    bool ok = mma_ok && !special && fits();
+    auto fits = [&]() { return empty || __dadd_ru(Cb, Bb) <= pow2(min(Lc, bL) + 53); };
+    const bool alone = !special && (empty || Bb <= pow2(bL + 53));  // the block by itself is exact
+    bool ok = mma_ok && alone && fits();
     bool all_ok = __all_sync(0xffffffffu, ok);
     if (mma_ok && !all_ok) {  // warp-uniform
-      if (!ok && !special) {
-        Mb = max_abs_bound(S);  // the running bound only ever grows: measure the real one
-        ok = fits();
-        if (!ok && Bb <= pow2(bL + 53)) {
-          flush();  // the block alone is exact: restart S from zero
-          ok = true;
-        }
+      if (alone && !ok) {
+        Cb = max_abs_bound(C);  // the running bound only ever grows: measure the real one
+        if (!fits()) close_chunk();  // then the block starts a fresh chunk, where it fits alone
+        ok = true;
       }
       all_ok = __all_sync(0xffffffffu, ok);
     }
     if (all_ok) {
-      // Every partial sum is exact: the tensor cores add the block straight into S. k8 outer,
+      // Every partial sum is exact: the tensor cores add the block straight into C. k8 outer,
       // so each fragment is loaded from shared memory once per block.
 #pragma unroll
       for (int k8 = 0; k8 < BK; k8 += 8) {
@@ -351,19 +354,20 @@ __global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
             // Tile (mt, nt)'s accumulator i is output (row slot 2 mt + i/2, column slot 2 nt + i%2).
             double c[4];
 #pragma unroll
-            for (int i = 0; i < 4; ++i) c[i] = S[(mt * 2 + i / 2) * (TN * 2) + nt * 2 + i % 2];
+            for (int i = 0; i < 4; ++i) c[i] = C[(mt * 2 + i / 2) * (TN * 2) + nt * 2 + i % 2];
             mma_16x8x8(c, a[mt], b[nt]);
 #pragma unroll
-            for (int i = 0; i < 4; ++i) S[(mt * 2 + i / 2) * (TN * 2) + nt * 2 + i % 2] = c[i];
+            for (int i = 0; i < 4; ++i) C[(mt * 2 + i / 2) * (TN * 2) + nt * 2 + i % 2] = c[i];
           }
       }
       if (!empty) {
-        Mb = __dadd_ru(Mb, Bb);
-        Lrun = min(Lrun, bL);
+        Cb = __dadd_ru(Cb, Bb);
+        Lc = min(Lc, bL);
       }
     } else {
-      // Output by output, as in v2: each MMA tile's block sums from zero, then per output the
-      // pair's own statistics decide between a TwoSum of the block sum and product by product.
+      // Output by output into S, as in v2 (C is untouched): each MMA tile's block sums from
+      // zero, then per output the pair's own statistics choose between a TwoSum of the block
+      // sum and product by product.
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -380,24 +384,27 @@ __global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
             if (path == kPathFast) {
               add_term(o, c[i]);
             } else {
-              S[o] = exact_block(S[o], digits(o), xsh[wm + tm * 8 + fr], wsh[wn + nt * 8 + 2 * fc + i % 2],
+              S(o) = exact_block(S(o), digits(o), xsh[wm + tm * 8 + fr], wsh[wn + nt * 8 + 2 * fc + i % 2],
                                  interval);
             }
           }
         }
-      if (special) {
-        flush();  // the finite values of an inf/NaN block have no lo statistic: restart S
-      } else {
-        Mb = max_abs_bound(S);
-        if (!empty) Lrun = min(Lrun, bL);
-      }
     }
     // Segment edge of the fp32 split (x' = [xh|xh|xl|xl]): the pieces' scales drop by 2^12 per
-    // segment, so S is moved into the digits here (exact) and restarts small; otherwise the
-    // lo-lo segment's low bits would not fit beside the hi-hi magnitude of S.
-    if (seg > 0 && ((kb + 1) * BK) / seg != (kb * BK) / seg) flush();
+    // segment, so the chunk closes and S moves into the digits here (exact) and restarts small;
+    // otherwise the lo-lo segment's low bits would not fit beside the hi-hi magnitude of S.
+    if (seg > 0 && ((kb + 1) * BK) / seg != (kb * BK) / seg) {
+      close_chunk();
+#pragma unroll
+      for (int o = 0; o < NOUT; ++o)
+        if (S(o) != 0.0) {
+          add_error(digits(o), S(o), interval);
+          S(o) = 0.0;
+        }
+    }
     __syncthreads();
   }
+  close_chunk();
 
 #pragma unroll
   for (int o = 0; o < NOUT; ++o) {
@@ -409,14 +416,14 @@ __global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
       // No digit was needed: the exact sum is S (+ bias, when that add is exact too), and the
       // IEEE double -> float conversion is the one correct rounding finalize_fp32 gives
       // (nearest-even, subnormals and overflow included; exact zero is +0.0, as on the CPU).
-      double s = S[o], e = 0.0;
-      if (bias) s = is_finite(bias[gn]) ? two_sum(S[o], bias[gn], &e) : (e = 1.0, 0.0);
+      double s = S(o), e = 0.0;
+      if (bias) s = is_finite(bias[gn]) ? two_sum(S(o), bias[gn], &e) : (e = 1.0, 0.0);
       if (e == 0.0) {
         static_cast<float*>(out_f)[gm * N + gn] = s == 0.0 ? 0.0f : __double2float_rn(s);
         continue;
       }
     }
-    finish_output<kFinalize>(S[o], dig[o], was_touched, bias, gn, interval, gm * N + gn, out_fmt, out_f, out_d);
+    finish_output<kFinalize>(S(o), dig[o], was_touched, bias, gn, interval, gm * N + gn, out_fmt, out_f, out_d);
   }
 }
 
@@ -443,7 +450,9 @@ void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& xs, cons
   const bool vec_ok = K % VEC == 0 && reinterpret_cast<uintptr_t>(xp) % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(wp) % 16 == 0;
   dim3 grid(unsigned((N + BN - 1) / BN), unsigned((M + BM - 1) / BM));
-  gemm_kernel<T, kFinalize><<<grid, THREADS, 0, stream>>>(
+  constexpr int kSBytes = NOUT * THREADS * sizeof(double);  // the running sums S (dynamic shared memory)
+  C10_CUDA_CHECK(cudaFuncSetAttribute(gemm_kernel<T, kFinalize>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSBytes));
+  gemm_kernel<T, kFinalize><<<grid, THREADS, kSBytes, stream>>>(
       xp, wp, xs.data_ptr<int32_t>(), ws.data_ptr<int32_t>(), bias, M, N, K, nkb, interval, seg, vec_ok, out_fmt,
       kFinalize ? out.data_ptr() : nullptr, kFinalize ? nullptr : out.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
