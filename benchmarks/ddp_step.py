@@ -110,7 +110,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--child", action="store_true")
     p.add_argument("--strategy", default="det_ddp")
-    p.add_argument("--out", default="")
+    p.add_argument("--out", default="", help="(internal) the child's row file")
+    p.add_argument("--results", default=None, help="results path (default: benchmarks/results/<device>-ddp_step.json)")
     args = p.parse_args(argv)
     if args.child:
         return child(args)
@@ -134,7 +135,8 @@ def main(argv=None):
           "bytes per gradient element")
     device = "cuda" if args.accelerator == "gpu" else "cpu"
     path = write("ddp_step", device, rows, extra={"summary": summary, "world_size": args.devices,
-                                                 "model": f"emb-LN-MLP width {args.width}", "global_batch": args.batch})
+                                                 "model": f"emb-LN-MLP width {args.width}", "global_batch": args.batch},
+                 path=args.results)
     print(f"wrote {path}")
 
 
