@@ -1,23 +1,21 @@
 // CUDA exact GEMM (schemas: csrc/schema/gemm.cpp; algorithm: csrc/gemm_common.h).
 //
-// v2 structure (benchmarks/NOTES.md has the floor, the predictions and the measurements):
+// v3 structure (benchmarks/NOTES.md has the floor, the predictions and the measurements):
 //   1. a statistics kernel: per (32-wide K-block, row) exponent bounds of x and of w, stored
 //      K-block-major so the main kernel reads a tile's statistics with coalesced loads;
 //   2. the main kernel: 64 x 64 output tile per block of 4 warps, each warp a 32 x 32 sub-tile
-//      computed with fp64 tensor-core MMA (mma.sync m16n8k8 on sm_90, m8n8k4 steps on sm_80-89). K is staged through shared
-//      memory as fp64 one K-block at a time, the next block's global loads in flight while the
-//      tensor cores work on this one. For every (output, K-block) the statistics decide:
-//        fast   the block's products provably sum exactly in fp64 (LDET_FAST_SPREAD), so the
-//               MMA's block sum is the exact block sum whatever order the hardware adds in
-//               (every partial sum is representable: nothing is ever rounded); it enters the
-//               running sum S through one TwoSum;
-//        exact  product by product from shared memory (TwoSum, rounding errors to the digits);
-//        skip   a row or column block of zeros without specials: contributes nothing.
-//      A thread first checks the bound for all its outputs at once (4 row and 8 column
-//      statistics); only when that fails does it decide output by output.
-//   The per-output digits live in local memory and are touched only when a TwoSum leaves a
-//   rounding error or an exact-path product arrives; they are zeroed on first touch, so an
-//   output whose digits were never needed costs no digit traffic at all.
+//      computed with fp64 tensor-core MMA (mma.sync m16n8k8 on sm_90, m8n8k4 steps on sm_80-89).
+//      K is staged through shared memory as fp64 one K-block at a time, the next block's global
+//      loads in flight while the tensor cores work on this one. Every output keeps
+//        C  an exact chunk sum in the MMA accumulators: K-blocks go straight into it while a
+//           per-thread bound (from the statistics and |C|) proves every partial sum exact;
+//        S  the running sum (shared memory), into which a chunk enters by one TwoSum when the
+//           bound would break, and blocks too wide on their own go output by output (TwoSum of
+//           the block sum, or product by product; inf/NaN are recorded as specials);
+//        digits  the long accumulator, touched only by non-zero TwoSum errors and exact-path
+//           products, zeroed on first touch, so most outputs never pay for them.
+//      exact sum = S + C + digits; the epilogue rounds it once (straight from S when the
+//      digits were never touched and the output is fp32).
 // The canonical digits are unique, so results equal the CPU's bit for bit, whichever path ran.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
