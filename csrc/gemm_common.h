@@ -15,6 +15,8 @@
 // whichever paths ran, so the bytes do not depend on the device, tiling or data layout.
 #pragma once
 
+#include <cmath>
+
 #include "longacc.h"
 
 namespace ldet {
@@ -83,6 +85,51 @@ LDET_HD void acc_any(double& S, int64_t* digits, int64_t& adds, int64_t interval
   } else {
     add_special(digits, t);
   }
+}
+
+// The exact sum of n finite doubles as an unevaluated pair hi + lo with hi = RN(hi + lo), when
+// the TwoSum chain can prove it (every error of the errors' own sum is zero); false otherwise.
+// Used for the running sums of the fp32 split's four K-segments, whose total usually spans more
+// than 53 bits but far fewer than 106.
+LDET_HD bool exact_pair_sum(const double* v, int n, double* hi, double* lo) {
+  double s = v[0], errs = 0.0;
+  for (int i = 1; i < n; ++i) {
+    double e, f;
+    s = two_sum(s, v[i], &e);
+    errs = two_sum(errs, e, &f);
+    if (f != 0.0) return false;
+  }
+  *hi = two_sum(s, errs, lo);  // s + errs == hi + lo exactly
+  return true;
+}
+
+// The fp32 rounding (nearest-even, finalize_fp32's) of the exact value V = hi + lo, where
+// hi = RN64(V), without the digits: true with *out set, or false when it cannot be decided
+// this way (V is within fp64 rounding of an fp32 midpoint, or at the overflow edge).
+// Why it is right: let f = RN32(hi). If hi == f, V is within half an fp64 ulp of an fp32
+// value, far inside f's rounding interval. Otherwise let m be the fp32 midpoint between f and
+// its neighbour on hi's side (a double). If hi != m, then V is strictly on hi's side of m and
+// of the other midpoint of f's interval: were it not, RN64 (monotone) would map V to a double
+// on the other side, not to hi. So RN32(V) == f.
+LDET_HD bool round_pair_to_fp32(double hi, double lo, float* out) {
+  if (lo == 0.0) {
+    *out = hi == 0.0 ? 0.0f : static_cast<float>(hi);  // exact zero is +0.0 (finalize_fp32)
+    return true;
+  }
+  const float f = static_cast<float>(hi);
+  const double fd = static_cast<double>(f);
+  if (!(fd - fd == 0.0)) return false;  // overflowed to inf: the overflow edge, leave it to the digits
+  if (fd == hi) {
+    *out = f;
+    return true;
+  }
+  const float f2 = nextafterf(f, hi > fd ? HUGE_VALF : -HUGE_VALF);
+  const double f2d = static_cast<double>(f2);
+  if (!(f2d - f2d == 0.0)) return false;
+  const double mid = (fd + f2d) * 0.5;  // exact: two fp32 values' sum fits in 25 bits
+  if (hi == mid) return false;
+  *out = f;
+  return true;
 }
 
 // Moves S into the digits and normalizes: the canonical exact sum, whatever paths ran.

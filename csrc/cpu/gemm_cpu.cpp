@@ -58,9 +58,10 @@ struct GemmArgs {
   int out_fmt = kFmtF32;  // the one rounding goes straight to this format
 };
 
-// After the K-block that ends a split segment, S goes into the digits (exact) and restarts at
-// zero: each segment's pieces are 2^12 smaller than the last one's, so with S still at the
-// hi-hi magnitude nearly every later block would leave a TwoSum rounding error to the digits.
+// After the K-block that ends a split segment, S is put aside (one slot per segment) and
+// restarts at zero: each segment's pieces are 2^12 smaller than the last one's, so with S still
+// at the hi-hi magnitude nearly every later block would leave a TwoSum rounding error to the
+// digits. The epilogue adds the segments' sums exactly.
 inline bool segment_ends(const GemmArgs& g, int64_t kb) {
   return g.seg > 0 && ((kb + 1) * LDET_KBLOCK) / g.seg != (kb * LDET_KBLOCK) / g.seg;
 }
@@ -183,6 +184,7 @@ void run_gemm(const GemmArgs& g, void* out_f, int64_t* out_d) {
   const int64_t tiles_n = (g.N + TN - 1) / TN;
   at::parallel_for(0, tiles_m * tiles_n, 1, [&](int64_t tb, int64_t te) {
     double S[TM][TN];
+    double seg_sums[TM][TN][4];  // S of each finished fp32-split segment (4 at most)
     int64_t dig[TM][TN][LDET_WORDS];
     int64_t adds[TM][TN];
     double blk[TM][TN];
@@ -191,6 +193,7 @@ void run_gemm(const GemmArgs& g, void* out_f, int64_t* out_d) {
       const int mm = int(std::min<int64_t>(TM, g.M - i0));
       const int nn = int(std::min<int64_t>(TN, g.N - j0));
       const bool full = mm == TM && nn == TN;
+      int nseg = 0;  // finished segments
       for (int a = 0; a < mm; ++a)
         for (int b = 0; b < nn; ++b) {
           S[a][b] = 0.0;
@@ -209,27 +212,39 @@ void run_gemm(const GemmArgs& g, void* out_f, int64_t* out_d) {
               pair_block(g, i0 + a, j0 + b, k0, k1, path, S[a][b], dig[a][b], adds[a][b]);
             }
         }
-        if (segment_ends(g, kb))
+        if (segment_ends(g, kb)) {
           for (int a = 0; a < mm; ++a)
             for (int b = 0; b < nn; ++b) {
-              add_double(dig[a][b], S[a][b]);
+              seg_sums[a][b][nseg] = S[a][b];
               S[a][b] = 0.0;
-              if (++adds[a][b] >= g.interval) {
-                normalize(dig[a][b]);
-                adds[a][b] = 0;
-              }
             }
+          ++nseg;
+        }
       }
       for (int a = 0; a < mm; ++a)
         for (int b = 0; b < nn; ++b) {
           if (g.bias) acc_any(S[a][b], dig[a][b], adds[a][b], g.interval, g.bias[j0 + b]);
           const int64_t o = (i0 + a) * g.N + (j0 + b);
           if (kFinalize && g.out_fmt == kFmtF32 && all_zero(dig[a][b])) {
-            // The exact sum is S itself: IEEE double -> float conversion is the one correct
-            // rounding (nearest-even, subnormals and overflow included), the same value
-            // finalize_fp32 gives, at a fraction of normalize + round_acc. Exact zero is +0.0.
-            static_cast<float*>(out_f)[o] = S[a][b] == 0.0 ? 0.0f : static_cast<float>(S[a][b]);
-            continue;
+            // No digit was needed: the exact sum is S plus the finished segments' sums. When
+            // those add up to a provably exact pair hi + lo, round_pair_to_fp32 gives the value
+            // finalize_fp32 would (with one segment: IEEE double -> float of S, nearest-even,
+            // subnormals and overflow included), at a fraction of normalize + round_acc.
+            double v[5], hi, lo;
+            for (int q = 0; q < nseg; ++q) v[q] = seg_sums[a][b][q];
+            v[nseg] = S[a][b];
+            float f;
+            if (exact_pair_sum(v, nseg + 1, &hi, &lo) && round_pair_to_fp32(hi, lo, &f)) {
+              static_cast<float*>(out_f)[o] = f;
+              continue;
+            }
+          }
+          for (int q = 0; q < nseg; ++q) {  // the segments' sums into the digits (exact)
+            add_double(dig[a][b], seg_sums[a][b][q]);
+            if (++adds[a][b] >= g.interval) {
+              normalize(dig[a][b]);
+              adds[a][b] = 0;
+            }
           }
           acc_finish(S[a][b], dig[a][b]);
           if (kFinalize) {
