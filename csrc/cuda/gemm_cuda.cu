@@ -210,7 +210,10 @@ __device__ __forceinline__ double max_abs_bound(const double (&S)[N]) {
   return __hiloint2double(m, -1);  // low word all ones: >= every |C[o]| with that high word
 }
 
-template <typename T, bool kFinalize>
+// kSShared: S in dynamic shared memory (the measured, fast variant); false keeps S in the
+// thread's own arrays (registers and local memory) for GPUs whose per-block shared memory cannot
+// hold it (e.g. 64 KiB on sm_75). Same operations on the same values: the same bytes.
+template <typename T, bool kFinalize, bool kSShared>
 __global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
     gemm_kernel(const T* __restrict__ x, const T* __restrict__ w, const int32_t* __restrict__ xs,
                 const int32_t* __restrict__ ws, const double* __restrict__ bias, int64_t M, int64_t N, int64_t K,
@@ -230,10 +233,17 @@ __global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
 
   // Output o = (tm * TN + tn) * 2 + i sits at tile row wm + tm*8 + fr, column wn + tn*8 + 2*fc + i.
   // exact sum = S + C + digits. C lives in registers (the tensor cores' accumulators); S, touched
-  // once per chunk, in dynamic shared memory (Ssh[o][thread]: conflict-free), which keeps the
-  // registers below the spill limit.
+  // once per chunk, in dynamic shared memory (Ssh[o][thread]: conflict-free) where the GPU has
+  // room for it, which keeps the registers below the spill limit.
   extern __shared__ double Ssh[];
-  auto S = [&](int o) -> double& { return Ssh[o * THREADS + threadIdx.x]; };
+  double Sown[kSShared ? 1 : NOUT];
+  auto S = [&](int o) -> double& {
+    if constexpr (kSShared) {
+      return Ssh[o * THREADS + threadIdx.x];
+    } else {
+      return Sown[o];
+    }
+  };
   double C[NOUT];
   int64_t dig[NOUT][LDET_WORDS + 1];  // local memory: digits + addition counter, zeroed lazily
   uint32_t touched = 0;
@@ -449,10 +459,24 @@ void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& xs, cons
                       reinterpret_cast<uintptr_t>(wp) % 16 == 0;
   dim3 grid(unsigned((N + BN - 1) / BN), unsigned((M + BM - 1) / BM));
   constexpr int kSBytes = NOUT * THREADS * sizeof(double);  // the running sums S (dynamic shared memory)
-  C10_CUDA_CHECK(cudaFuncSetAttribute(gemm_kernel<T, kFinalize>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSBytes));
-  gemm_kernel<T, kFinalize><<<grid, THREADS, kSBytes, stream>>>(
-      xp, wp, xs.data_ptr<int32_t>(), ws.data_ptr<int32_t>(), bias, M, N, K, nkb, interval, seg, vec_ok, out_fmt,
-      kFinalize ? out.data_ptr() : nullptr, kFinalize ? nullptr : out.data_ptr<int64_t>());
+  int dev = 0, optin = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  cudaFuncAttributes attr;
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, gemm_kernel<T, kFinalize, true>));
+  void* out_f = kFinalize ? out.data_ptr() : nullptr;
+  int64_t* out_d = kFinalize ? nullptr : out.data_ptr<int64_t>();
+  if (attr.sharedSizeBytes + kSBytes <= size_t(optin)) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(gemm_kernel<T, kFinalize, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        kSBytes));
+    gemm_kernel<T, kFinalize, true><<<grid, THREADS, kSBytes, stream>>>(
+        xp, wp, xs.data_ptr<int32_t>(), ws.data_ptr<int32_t>(), bias, M, N, K, nkb, interval, seg, vec_ok, out_fmt,
+        out_f, out_d);
+  } else {
+    gemm_kernel<T, kFinalize, false><<<grid, THREADS, 0, stream>>>(
+        xp, wp, xs.data_ptr<int32_t>(), ws.data_ptr<int32_t>(), bias, M, N, K, nkb, interval, seg, vec_ok, out_fmt,
+        out_f, out_d);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
