@@ -31,9 +31,8 @@ static_assert(std::numeric_limits<double>::is_iec559 && std::numeric_limits<floa
 constexpr int TM = 6;
 constexpr int TN = 8;
 
-// Per (row, K-block) statistics of a (rows, K) fp64 matrix with row stride ld and element
-// stride es (so the same code reads x row-major and w^T column-wise).
-std::vector<int32_t> block_stats(const double* a, int64_t rows, int64_t K, int64_t ld, int64_t es) {
+// Per (row, K-block) statistics of a row-major (rows, K) fp64 matrix (x, and w itself).
+std::vector<int32_t> block_stats(const double* a, int64_t rows, int64_t K) {
   const int64_t nkb = (K + LDET_KBLOCK - 1) / LDET_KBLOCK;
   std::vector<int32_t> st(rows * nkb);
   at::parallel_for(0, rows, 64, [&](int64_t b, int64_t e) {
@@ -41,7 +40,7 @@ std::vector<int32_t> block_stats(const double* a, int64_t rows, int64_t K, int64
       for (int64_t kb = 0; kb < nkb; ++kb) {
         StatAcc s;
         const int64_t k1 = std::min(K, (kb + 1) * LDET_KBLOCK);
-        for (int64_t k = kb * LDET_KBLOCK; k < k1; ++k) s.add(a[r * ld + k * es]);
+        for (int64_t k = kb * LDET_KBLOCK; k < k1; ++k) s.add(a[r * K + k]);
         st[r * nkb + kb] = s.packed();
       }
     }
@@ -51,8 +50,10 @@ std::vector<int32_t> block_stats(const double* a, int64_t rows, int64_t K, int64
 
 struct GemmArgs {
   const double* x;   // (M, K) row-major
-  const double* wt;  // (K, N) row-major: w transposed, so the micro-kernel reads columns in a row
-  const double* wp;  // the same values packed in column panels: panel j0/TN is (K, TN) contiguous
+  // w in column panels: panel j / TN is a contiguous (K, TN) block holding w[j0 + b, k] at
+  // [k * TN + b], so the micro-kernel reads its 8 columns of row k in one run (N padded with zero
+  // columns to whole panels).
+  const double* wp;
   const int32_t* xs;
   const int32_t* ws;
   const double* bias;  // (N,) or null
@@ -78,8 +79,8 @@ inline void micro_block(const GemmArgs& g, int64_t i0, int64_t j0, int64_t k0, i
   static_assert(TN == 8, "the AVX2 micro-kernel holds 8 columns in two registers");
   __m256d acc[TM][2];
   for (int a = 0; a < TM; ++a) acc[a][0] = acc[a][1] = _mm256_setzero_pd();
-  // Sequential reads: the panel's rows are TN doubles apart, so the prefetcher follows them
-  // (in wt they are N doubles apart, a new page every few rows).
+  // Sequential reads, which the prefetcher follows (a (K, N) row-major w^T put successive k
+  // N doubles apart, a new page every few rows: 1.7-3x slower for fp32's long K).
   const double* wk = g.wp + (j0 / TN) * g.K * TN + k0 * TN;
   const double* xr[TM];
   for (int a = 0; a < TM; ++a) xr[a] = g.x + (i0 + a) * g.K;
@@ -98,7 +99,7 @@ inline void micro_block(const GemmArgs& g, int64_t i0, int64_t j0, int64_t k0, i
 #else
   double acc[TM][TN] = {};
   for (int64_t k = k0; k < k1; ++k) {
-    const double* wk = g.wt + k * g.N + j0;
+    const double* wk = g.wp + (j0 / TN) * g.K * TN + k * TN;
     for (int a = 0; a < TM; ++a) {
       const double xa = g.x[(i0 + a) * g.K + k];
       for (int b = 0; b < TN; ++b) acc[a][b] += xa * wk[b];
@@ -165,18 +166,19 @@ inline void pair_block(const GemmArgs& g, int64_t i, int64_t j, int64_t k0, int6
                        BlockPath path, double& S, int64_t* dig, int64_t& adds) {
   if (path == kPathSkip) return;
   const double* xr = g.x + i * g.K;
+  const double* wc = g.wp + (j / TN) * g.K * TN + j % TN;  // column j: wc[k * TN]
   if (path == kPathFast) {
     double s0 = 0, s1 = 0;
     int64_t k = k0;
     for (; k + 1 < k1; k += 2) {
-      s0 += xr[k] * g.wt[k * g.N + j];
-      s1 += xr[k + 1] * g.wt[(k + 1) * g.N + j];
+      s0 += xr[k] * wc[k * TN];
+      s1 += xr[k + 1] * wc[(k + 1) * TN];
     }
-    if (k < k1) s0 += xr[k] * g.wt[k * g.N + j];
+    if (k < k1) s0 += xr[k] * wc[k * TN];
     acc_term(S, dig, adds, g.interval, s0 + s1);
     return;
   }
-  for (int64_t k = k0; k < k1; ++k) acc_any(S, dig, adds, g.interval, xr[k] * g.wt[k * g.N + j]);
+  for (int64_t k = k0; k < k1; ++k) acc_any(S, dig, adds, g.interval, xr[k] * wc[k * TN]);
 }
 
 inline bool all_zero(const int64_t* d) {
@@ -273,15 +275,14 @@ at::Tensor gemm_common_cpu(const at::Tensor& x, const at::Tensor& w, const c10::
   const at::Tensor& win = wsplit.defined() ? wsplit : w;
   const int64_t M = xin.size(0), K = xin.size(1), N = win.size(0);
   const at::Tensor xd = xin.to(at::kDouble).contiguous();     // exact widening
-  const at::Tensor wt = win.to(at::kDouble).t().contiguous();  // (K, N)
-  // (N/TN, K, TN) column panels for the micro-kernel, N padded with zero columns to whole panels
+  const at::Tensor wd = win.to(at::kDouble).contiguous();  // (N, K): the statistics read its rows
   const int64_t npan = (N + TN - 1) / TN;
-  const at::Tensor wpanels = at::constant_pad_nd(wt, {0, npan * TN - N}).view({K, npan, TN}).permute({1, 0, 2}).contiguous();
+  const at::Tensor wpanels =  // (N/TN, K, TN), see GemmArgs::wp
+      at::constant_pad_nd(wd, {0, 0, 0, npan * TN - N}).view({npan, TN, K}).permute({0, 2, 1}).contiguous();
   at::Tensor bd;
   if (bias.has_value()) bd = bias->to(at::kDouble).contiguous();
   GemmArgs g;
   g.x = xd.data_ptr<double>();
-  g.wt = wt.data_ptr<double>();
   g.wp = wpanels.data_ptr<double>();
   g.M = M;
   g.N = N;
@@ -290,8 +291,8 @@ at::Tensor gemm_common_cpu(const at::Tensor& x, const at::Tensor& w, const c10::
   g.seg = xsplit.defined() ? x.size(1) : 0;
   g.interval = norm_interval > 0 ? norm_interval : LDET_NORM_INTERVAL;
   g.bias = bias.has_value() ? bd.data_ptr<double>() : nullptr;
-  const std::vector<int32_t> xs = block_stats(g.x, M, K, K, 1);
-  const std::vector<int32_t> ws = block_stats(g.wt, N, K, 1, N);
+  const std::vector<int32_t> xs = block_stats(g.x, M, K);
+  const std::vector<int32_t> ws = block_stats(wd.data_ptr<double>(), N, K);
   g.xs = xs.data();
   g.ws = ws.data();
   if (kFinalize) {
