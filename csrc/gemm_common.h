@@ -62,20 +62,23 @@ LDET_HD BlockPath block_path(int32_t sx, int32_t sw) {
   return spread <= LDET_FAST_SPREAD ? kPathFast : kPathExact;
 }
 
-// Adds a finite fp64 term (a multiple of 2^-298) exactly: TwoSum into the running sum S, the
-// rounding error (if any) into the digits. `adds` counts digit additions since the last
+// acc_digits adds a finite fp64 value straight into the digits (exact). acc_term adds a finite
+// fp64 term (a multiple of 2^-298) exactly: TwoSum into the running sum S, the rounding error (if
+// any) into the digits. `adds` counts digit additions since the last
 // normalization; `interval` (LDET_NORM_INTERVAL in production, tiny in the headroom tests)
 // bounds it, keeping every digit inside the headroom of longacc.h.
+LDET_HD void acc_digits(int64_t* digits, int64_t& adds, int64_t interval, double v) {
+  add_double(digits, v);
+  if (++adds >= interval) {
+    normalize(digits);
+    adds = 0;
+  }
+}
+
 LDET_HD void acc_term(double& S, int64_t* digits, int64_t& adds, int64_t interval, double t) {
   double e;
   S = two_sum(S, t, &e);
-  if (e != 0.0) {
-    add_double(digits, e);
-    if (++adds >= interval) {
-      normalize(digits);
-      adds = 0;
-    }
-  }
+  if (e != 0.0) acc_digits(digits, adds, interval, e);
 }
 
 // Adds any product or bias value, finite or not.

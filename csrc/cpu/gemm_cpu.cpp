@@ -146,13 +146,7 @@ inline void flush_tile(const GemmArgs& g, double S[TM][TN], int64_t dig[TM][TN][
         double ev[4];
         _mm256_storeu_pd(ev, e);
         for (int l = 0; l < 4; ++l)
-          if (ev[l] != 0.0) {
-            add_double(dig[a][h + l], ev[l]);
-            if (++adds[a][h + l] >= g.interval) {
-              normalize(dig[a][h + l]);
-              adds[a][h + l] = 0;
-            }
-          }
+          if (ev[l] != 0.0) acc_digits(dig[a][h + l], adds[a][h + l], g.interval, ev[l]);
       }
     }
 #else
@@ -248,13 +242,7 @@ void run_gemm(const GemmArgs& g, void* out_f, int64_t* out_d) {
               continue;
             }
           }
-          for (int q = 0; q < nseg; ++q) {  // the segments' sums into the digits (exact)
-            add_double(dig[a][b], seg_sums[a][b][q]);
-            if (++adds[a][b] >= g.interval) {
-              normalize(dig[a][b]);
-              adds[a][b] = 0;
-            }
-          }
+          for (int q = 0; q < nseg; ++q) acc_digits(dig[a][b], adds[a][b], g.interval, seg_sums[a][b][q]);
           acc_finish(S[a][b], dig[a][b]);
           if (kFinalize) {
             store_fmt(out_f, o, finalize_fmt(dig[a][b], g.out_fmt), g.out_fmt);

@@ -127,13 +127,7 @@ struct Stager {
 
 // The rare, heavy steps live out of line so the 32-way unrolled kernel body stays small: a
 // rounding error into the digits, a block product by product, and the epilogue.
-__device__ __noinline__ void add_error(int64_t* d, double e, int64_t interval) {
-  add_double(d, e);
-  if (++d[ADDS] >= interval) {
-    normalize(d);
-    d[ADDS] = 0;
-  }
-}
+__device__ __noinline__ void add_error(int64_t* d, double e, int64_t interval) { acc_digits(d, d[ADDS], interval, e); }
 
 __device__ __noinline__ double exact_block(double S, int64_t* d, const double* xr, const double* wr, int64_t interval) {
 #pragma unroll 1
@@ -203,10 +197,10 @@ __device__ __forceinline__ uint32_t stat_maxable(int32_t s) {
 
 // An upper bound of max |C[o]| over a thread's outputs, from the high words only.
 template <int N>
-__device__ __forceinline__ double max_abs_bound(const double (&S)[N]) {
+__device__ __forceinline__ double max_abs_bound(const double (&C)[N]) {
   int m = 0;
 #pragma unroll
-  for (int o = 0; o < N; ++o) m = max(m, __double2hiint(S[o]) & 0x7fffffff);
+  for (int o = 0; o < N; ++o) m = max(m, __double2hiint(C[o]) & 0x7fffffff);
   return __hiloint2double(m, -1);  // low word all ones: >= every |C[o]| with that high word
 }
 
@@ -421,13 +415,13 @@ __global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
     if (gm >= M || gn >= N) continue;
     const bool was_touched = (touched >> o) & 1u;
     if (kFinalize && out_fmt == kFmtF32 && !was_touched) {
-      // No digit was needed: the exact sum is S (+ bias, when that add is exact too), and the
-      // IEEE double -> float conversion is the one correct rounding finalize_fp32 gives
-      // (nearest-even, subnormals and overflow included; exact zero is +0.0, as on the CPU).
+      // No digit was needed: the exact sum is S (+ bias, when that add is exact too), a single
+      // double, which round_pair_to_fp32 (lo = 0) rounds as finalize_fp32 would, as on the CPU.
       double s = S(o), e = 0.0;
       if (bias) s = is_finite(bias[gn]) ? two_sum(S(o), bias[gn], &e) : (e = 1.0, 0.0);
-      if (e == 0.0) {
-        static_cast<float*>(out_f)[gm * N + gn] = s == 0.0 ? 0.0f : __double2float_rn(s);
+      float f;
+      if (e == 0.0 && round_pair_to_fp32(s, 0.0, &f)) {
+        static_cast<float*>(out_f)[gm * N + gn] = f;
         continue;
       }
     }
