@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Every CUDA test, then (optionally) benchmarks, in one call on a GPU machine: the build runs once
+# and each test file reports on its own line, so a failure names its file.
+#
+#   bash benchmarks/gpu_suite.sh                 # build + all CUDA tests
+#   bash benchmarks/gpu_suite.sh gemm linear     # then benchmarks/gemm.py and linear.py (--device cuda)
+#
+# Writes logs and results under $OUT when it is set (the lent device machine), else /tmp/ldet-gpu.
+set -uo pipefail
+OUT=${OUT:-/tmp/ldet-gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 LIGHTNING_DET_BUILD_DIR=${LIGHTNING_DET_BUILD_DIR:-$PWD/build/ldet}
+export LDET_COMMIT=${LDET_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
+t0=$(date +%s)
+python3 -m lightning_det._build || exit 1
+echo "build: $(( $(date +%s) - t0 )) s"
+
+status=0
+# File, then the -k filter that selects its CUDA tests ("" = the whole file).
+for spec in "test_cuda_gemm:" "test_det_modules:cuda" "test_adamw_sr:cuda" "test_digest:cuda" \
+            "test_digest_callback:cuda" "test_det_cross_entropy:cuda" "test_ops_api:cuda" "test_gpt_char:cuda"; do
+  f=${spec%%:*} k=${spec#*:}
+  line=$(python3 -m pytest -q -p no:cacheprovider "tests/$f.py" ${k:+-k "$k"} 2>&1 | tee "$OUT/$f.log" | tail -1)
+  rc=${PIPESTATUS[0]}
+  echo "$f: $line"
+  [ "$rc" -eq 0 ] || status=1
+done
+
+for b in "$@"; do
+  python3 "benchmarks/$b.py" --device cuda --out "$OUT/gpu-$b.json" 2>&1 | tee "$OUT/gpu-$b.log" || status=1
+done
+exit $status
