@@ -35,6 +35,18 @@ def split_pieces(t: torch.Tensor):
     return hi, t - hi
 
 
+def split_aligned(t: torch.Tensor, bits: int):
+    """x = xh + xl with xh = x's bits of weight >= 2^(E - bits), E the exponent of the largest |x|
+    of its (row, 32-wide K-block): csrc/split.h's block-aligned split, in the float domain."""
+    rows, k = t.shape
+    nkb = -(-k // BK)
+    pad = torch.nn.functional.pad(t.abs(), (0, nkb * BK - k)).view(rows, nkb, BK).amax(2)
+    E = torch.frexp(pad)[1] - 1  # floor(log2 max|x|); zero blocks give -1 (their pieces are all 0)
+    q = torch.pow(2.0, (E - bits).double()).repeat_interleave(BK, 1)[:, :k]
+    hi = (torch.trunc(t.double() / q) * q).float()  # exact in fp64 for fp32 data
+    return hi, t - hi
+
+
 def block_stats(a: torch.Tensor):
     """(max hi, min lo) per (row, K-block); empty blocks get (-inf-like, +inf-like)."""
     v = np.abs(a.double().numpy())
@@ -51,10 +63,12 @@ def block_stats(a: torch.Tensor):
     return H, L
 
 
-def simulate(x: torch.Tensor, w: torch.Tensor) -> dict:
+def simulate(x: torch.Tensor, w: torch.Tensor, split: str = "aligned", bits: int = 20) -> dict:
     if x.dtype == torch.float32:
-        xh, xl = split_pieces(x)
-        wh, wl = split_pieces(w)
+        piece = split_pieces if split == "piece12" else (lambda t: split_aligned(t, bits))
+        xh, xl = piece(x)
+        wh, wl = piece(w)
+        assert torch.equal(xh + xl, x) and torch.equal(wh + wl, w)
         x, w = torch.cat([xh, xh, xl, xl], 1), torch.cat([wh, wl, wh, wl], 1)
     Hx, Lx = block_stats(x)
     Hw, Lw = block_stats(w)
@@ -88,13 +102,16 @@ def main(argv=None):
     p.add_argument("--k", type=int, default=4096)
     p.add_argument("--size", type=int, default=256, help="M = N (a multiple of 32: whole warp halves)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--split", default="aligned", choices=["aligned", "piece12"],
+                   help="fp32 split: block-aligned pieces (csrc/split.h) or the earlier 12-bit pieces")
+    p.add_argument("--bits", type=int, default=20, help="aligned split: xh keeps weights >= 2^(E - bits)")
     a = p.parse_args(argv)
     if a.size % 32:
         p.error("--size: expected a multiple of 32")
     g = torch.Generator().manual_seed(a.seed)
     x, w = torch.randn(a.size, a.k, generator=g), torch.randn(a.size, a.k, generator=g)
     for dtype in (torch.float32, torch.bfloat16):
-        r = simulate(x.to(dtype), w.to(dtype))  # fp32 is split into pieces inside, bf16 is not
+        r = simulate(x.to(dtype), w.to(dtype), a.split, a.bits)  # fp32 is split into pieces inside, bf16 is not
         print(f"{str(dtype).replace('torch.', ''):9s} randn {a.size}x{a.size}x{a.k}: " +
               ", ".join(f"{k} {v:.4%}" for k, v in r.items()))
 

@@ -118,7 +118,7 @@ def test_cuda_mixed_paths_in_one_tile(dtype, K):
     x[64, 7] = 2.0 ** -60
     x[100, 64:96] = 0.0  # an empty row block
     w[3, 500] *= 2.0 ** -40
-    if dtype == torch.bfloat16:  # fp32 with an inf skips the 12-bit split: keep fp32 on the fast path
+    if dtype == torch.bfloat16:  # fp32 with an inf skips the split: keep fp32 on the fast path
         w[69, 998] = float("inf")
     acc_cpu = det_gemm_partial(x, w)
     acc_gpu = det_gemm_partial(x.cuda(), w.cuda())
@@ -151,7 +151,7 @@ def test_cuda_running_bound_transitions(dtype):
     x[32, 300], x[33, 400] = float("inf"), float("nan")
     x[48:64, 64] = 2.0 ** 60
     x[48:64, 65] = 2.0 ** -60
-    if dtype == torch.float32:  # an inf turns the 12-bit split off for the whole GEMM: keep it on
+    if dtype == torch.float32:  # an inf turns the split off for the whole GEMM: keep it on
         x[32, 300], x[33, 400] = 3.0, 5.0
     acc_cpu = det_gemm_partial(x, w)
     acc_gpu = det_gemm_partial(x.cuda(), w.cuda())

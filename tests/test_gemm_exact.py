@@ -136,7 +136,7 @@ def test_large_k_beyond_2_19():
 
 @pytest.mark.parametrize("K", [31, 33, 100])
 def test_fp32_split_segment_edges(K):
-    # fp32 inputs run as four 12-bit-piece segments of K columns each (csrc/split.h). The kernels
+    # fp32 inputs run as four piece segments of K columns each (csrc/split.h). The kernels
     # move the running sum into the digits where a segment ends, which for these K falls inside a
     # 32-wide K-block; M, N give full 4 x 8 CPU tiles and ragged ones.
     x, w = gen.normal((9, K), torch.float32, 50 + K), gen.normal((10, K), torch.float32, 60 + K)
@@ -168,7 +168,8 @@ def test_fp32_epilogue_from_the_running_sum_edges():
 @pytest.mark.parametrize("scale_exp", [0, -65, 126])
 @pytest.mark.parametrize("tail", [1.0, -1.0])
 def test_fp32_split_pair_rounding_near_ties(scale_exp, tail):
-    # fp32 inputs run as four K-segments of 12-bit pieces. Each segment's running sum stays
+    # fp32 inputs run as four K-segments of pieces cut at 2^(E - 17), E the exponent of the
+    # row block's largest value (csrc/split.h). Each segment's running sum stays
     # exact without the digits, but their total spans more than 53 bits, so the CPU epilogue
     # adds them into an exact pair hi + lo and rounds that to fp32 directly unless hi sits on an
     # fp32 rounding tie (or the overflow edge). Here hi lands exactly on a tie while lo (from the
@@ -203,3 +204,26 @@ def test_fp32_split_pair_rounding_near_ties(scale_exp, tail):
     if scale_exp == 0:
         twice = (x.double() @ w.double().T).float()
         assert not torch.equal(twice.diagonal(), got.diagonal())
+
+
+def test_fp32_split_values_at_every_cut_offset():
+    # The fp32 split cuts each value at 2^(E - 17), E the exponent of its row block's largest
+    # value (csrc/split.h), with integer masks on the bit patterns. Values from 2 bits above the
+    # cut to 26 below it (partly cut, wholly below, full 24-bit significands), blocks whose
+    # largest value is subnormal, all-zero blocks and a K that ends inside a block: any wrong
+    # mask (one reaching the exponent field, a sign lost) changes x = xh + xl and the sum.
+    K = 32 * 3 + 7
+    x = torch.zeros(4, K, dtype=torch.float32)
+    g = torch.Generator().manual_seed(70)
+    mant = 1 + torch.randint(0, 2 ** 23, (4, K), generator=g).double() * 2.0 ** -23  # full significands
+    sign = torch.randint(0, 2, (4, K), generator=g).double() * 2 - 1
+    for r, top in enumerate([0, 100, -126, -140]):  # normal blocks, a large one, subnormal maxima
+        for j in range(K):
+            i = j % 32  # i = 0: the block's largest value; i = 1..17 cut inside, 18..31 wholly below
+            x[r, j] = float(sign[r, j] * mant[r, j] * 2.0 ** max(top - i, -149))
+    x[2, 32:64] = 0.0  # an all-zero block
+    assert torch.isfinite(x).all()
+    w = gen.normal((3, K), torch.float32, 71)
+    w[1] = x[3] * 2.0 ** 100  # both operands cut
+    check_against_reference(x, w, what="fp32 split cut offsets")
+    check_against_reference(w, x, what="fp32 split cut offsets, swapped")

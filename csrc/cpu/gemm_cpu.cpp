@@ -63,9 +63,9 @@ struct GemmArgs {
 };
 
 // After the K-block that ends a split segment, S is put aside (one slot per segment) and
-// restarts at zero: each segment's pieces are 2^12 smaller than the last one's, so with S still
-// at the hi-hi magnitude nearly every later block would leave a TwoSum rounding error to the
-// digits. The epilogue adds the segments' sums exactly.
+// restarts at zero: the later segments' products lie 2^17 (kSplitBits, csrc/split.h) and 2^34
+// below the hi-hi ones, so with S still at the hi-hi magnitude nearly every later block would
+// leave a TwoSum rounding error to the digits. The epilogue adds the segments' sums exactly.
 inline bool segment_ends(const GemmArgs& g, int64_t kb) {
   return g.seg > 0 && ((kb + 1) * LDET_KBLOCK) / g.seg != (kb * LDET_KBLOCK) / g.seg;
 }

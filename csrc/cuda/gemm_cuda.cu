@@ -392,8 +392,8 @@ __global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
           }
         }
     }
-    // Segment edge of the fp32 split (x' = [xh|xh|xl|xl]): the pieces' scales drop by 2^12 per
-    // segment, so the chunk closes and S moves into the digits here (exact) and restarts small;
+    // Segment edge of the fp32 split (x' = [xh|xh|xl|xl]): the products' scales drop by 2^17
+    // (kSplitBits) per piece, so the chunk closes and S moves into the digits here (exact) and restarts small;
     // otherwise the lo-lo segment's low bits would not fit beside the hi-hi magnitude of S.
     if (seg > 0 && ((kb + 1) * BK) / seg != (kb * BK) / seg) {
       close_chunk();
