@@ -5,8 +5,8 @@
 //      K-block-major so the main kernel reads a tile's statistics with coalesced loads;
 //   2. the main kernel: 64 x 64 output tile per block of 4 warps, each warp a 32 x 32 sub-tile
 //      computed with fp64 tensor-core MMA (mma.sync m16n8k8 on sm_90, m8n8k4 steps on sm_80-89).
-//      K is staged through shared memory as fp64 one K-block at a time, the next block's global
-//      loads in flight while the tensor cores work on this one. Every output keeps
+//      K is staged through shared memory as fp64, double buffered (one barrier per K-block), the
+//      next block's global loads in flight while the tensor cores work on this one. Every output keeps
 //        C  an exact chunk sum in the MMA accumulators: K-blocks go straight into it while a
 //           per-thread bound (from the statistics and |C|) proves every partial sum exact;
 //        S  the running sum (shared memory), into which a chunk enters by one TwoSum when the
@@ -112,15 +112,28 @@ struct Stager {
     }
   }
 
+  // Bank-conflict-free: a 16-byte store is served in phases of 8 threads, here 2 rows x 4 chunks
+  // (bf16, fp16) or 1 row x 8 chunks (fp32), whose starting addresses (row stride SK = 36) repeat
+  // every 4 doubles mod 16, twice over. The chunks in a row's upper half store their double pairs
+  // rotated by one, which moves them onto the free banks (each pair is converted once; the
+  // rotation only selects registers).
   __device__ __forceinline__ void store(double (*sh)[SK]) const {
+    constexpr int P = VEC / 2;  // double pairs per chunk
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
       const int c = threadIdx.x + i * THREADS;
       T tmp[VEC];
       memcpy(tmp, &reg[i], 16);
+      double2 v[P];
+#pragma unroll
+      for (int q = 0; q < P; ++q) v[q] = make_double2(to_d(tmp[2 * q]), to_d(tmp[2 * q + 1]));
+      const bool rot = (c % PER_ROW) >= PER_ROW / 2;
       double* dst = &sh[c / PER_ROW][(c % PER_ROW) * VEC];
 #pragma unroll
-      for (int j = 0; j < VEC; j += 2) *reinterpret_cast<double2*>(dst + j) = make_double2(to_d(tmp[j]), to_d(tmp[j + 1]));
+      for (int q = 0; q < P; ++q) {
+        const int qr = (q + 1) % P;
+        *reinterpret_cast<double2*>(dst + 2 * (rot ? qr : q)) = rot ? v[qr] : v[q];
+      }
     }
   }
 };
@@ -204,21 +217,27 @@ __device__ __forceinline__ double max_abs_bound(const double (&C)[N]) {
   return __hiloint2double(m, -1);  // low word all ones: >= every |C[o]| with that high word
 }
 
-// kSShared: S in dynamic shared memory (the measured, fast variant); false keeps S in the
-// thread's own arrays (registers and local memory) for GPUs whose per-block shared memory cannot
-// hold it (e.g. 64 KiB on sm_75). Same operations on the same values: the same bytes.
-template <typename T, bool kFinalize, bool kSShared>
+// kStages: staged K-blocks in shared memory. 2 (double buffering): block kb + 1 is stored while
+// the other warps may still read block kb, one barrier per block; 1: a second barrier instead.
+// kSShared: S in dynamic shared memory (fast); false keeps S in the thread's own arrays
+// (registers and local memory). The launch picks the largest variant the GPU's per-block shared
+// memory holds (106 KiB, 69 KiB, 37 KiB). Same operations on the same values: the same bytes.
+constexpr int kStageDoubles = (BM + BN) * SK;  // one staged K-block of x and w
+
+template <typename T, bool kFinalize, bool kSShared, int kStages>
 __global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
     gemm_kernel(const T* __restrict__ x, const T* __restrict__ w, const int32_t* __restrict__ xs,
                 const int32_t* __restrict__ ws, const double* __restrict__ bias, int64_t M, int64_t N, int64_t K,
                 int64_t nkb, int64_t interval, int64_t seg, bool vec_ok, int out_fmt, void* __restrict__ out_f,
                 int64_t* __restrict__ out_d) {
-  __shared__ __align__(16) double xsh[BM][SK];
-  __shared__ __align__(16) double wsh[BN][SK];
-  __shared__ int32_t xst[BM], wst[BN];
+  // Dynamic shared memory: kStages x (x block, w block) as fp64, then S when kSShared.
+  extern __shared__ __align__(16) double dyn_smem[];
+  auto xbuf = [&](int s) { return reinterpret_cast<double(*)[SK]>(dyn_smem + s * kStageDoubles); };
+  auto wbuf = [&](int s) { return reinterpret_cast<double(*)[SK]>(dyn_smem + s * kStageDoubles + BM * SK); };
+  __shared__ int32_t xst[kStages][BM], wst[kStages][BN];
   // Per-thread-group reductions of the statistics, (hi, -lo) lanes: a thread's 4 rows are one
   // group (warp row half, fragment row), its 8 columns another (warp column half, fragment col).
-  __shared__ uint32_t rowgrp[2][8], colgrp[2][4];
+  __shared__ uint32_t rowgrp[kStages][2][8], colgrp[kStages][2][4];
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int wm = (warp / 2) * WM, wn = (warp % 2) * WN;
@@ -229,7 +248,7 @@ __global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
   // exact sum = S + C + digits. C lives in registers (the tensor cores' accumulators); S, touched
   // once per chunk, in dynamic shared memory (Ssh[o][thread]: conflict-free) where the GPU has
   // room for it, which keeps the registers below the spill limit.
-  extern __shared__ double Ssh[];
+  double* Ssh = dyn_smem + kStages * kStageDoubles;
   double Sown[kSShared ? 1 : NOUT];
   auto S = [&](int o) -> double& {
     if constexpr (kSShared) {
@@ -268,7 +287,7 @@ __global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
     Lc = kNoLow;
   };
   // One m16n8k8 tile (mt, nt) over the staged K-block, added into the accumulators c.
-  auto mma_tile = [&](double (&c)[4], int mt, int nt) {
+  auto mma_tile = [&](double (&c)[4], int mt, int nt, double (*xsh)[SK], double (*wsh)[SK]) {
 #pragma unroll
     for (int k8 = 0; k8 < BK; k8 += 8) {
       double a[4], b[2];
@@ -297,26 +316,32 @@ __global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
   constexpr bool mma_ok = false;  // no fp64 MMA: every block goes output by output, product by product
 #endif
 
+  // The prefetched block (registers) into stage s, with its statistics and their group maxima.
+  auto stage_in = [&](int s) {
+    sx.store(xbuf(s));
+    sw.store(wbuf(s));
+    // Rows: lane = fr + 8 tm (reduce over lane bits 3, 4). Columns: lane = 8 jj + 2 fc + i
+    // (reduce over bits 0, 3, 4). Warps 0-1 hold rows, 2-3 columns: the branch is per warp.
+    if (warp < 2) xst[s][threadIdx.x] = st;
+    else wst[s][threadIdx.x - BM] = st;
+    uint32_t v = stat_maxable(st);
+    v = __vmaxs2(v, __shfl_xor_sync(0xffffffffu, v, 8));
+    v = __vmaxs2(v, __shfl_xor_sync(0xffffffffu, v, 16));
+    if (warp >= 2) v = __vmaxs2(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    if (warp < 2 && lane < 8) rowgrp[s][warp][lane] = v;
+    if (warp >= 2 && lane < 8 && !(lane & 1)) colgrp[s][warp - 2][lane >> 1] = v;
+  };
+
   prefetch(0);
+  stage_in(0);
+  __syncthreads();
   for (int64_t kb = 0; kb < nkb; ++kb) {
-    sx.store(xsh);
-    sw.store(wsh);
-    {
-      // Rows: lane = fr + 8 tm (reduce over lane bits 3, 4). Columns: lane = 8 jj + 2 fc + i
-      // (reduce over bits 0, 3, 4). Warps 0-1 hold rows, 2-3 columns: the branch is per warp.
-      if (warp < 2) xst[threadIdx.x] = st;
-      else wst[threadIdx.x - BM] = st;
-      uint32_t v = stat_maxable(st);
-      v = __vmaxs2(v, __shfl_xor_sync(0xffffffffu, v, 8));
-      v = __vmaxs2(v, __shfl_xor_sync(0xffffffffu, v, 16));
-      if (warp >= 2) v = __vmaxs2(v, __shfl_xor_sync(0xffffffffu, v, 1));
-      if (warp < 2 && lane < 8) rowgrp[warp][lane] = v;
-      if (warp >= 2 && lane < 8 && !(lane & 1)) colgrp[warp - 2][lane >> 1] = v;
-    }
-    __syncthreads();
+    const int s = kStages == 2 ? int(kb & 1) : 0;
+    double(*xsh)[SK] = xbuf(s);
+    double(*wsh)[SK] = wbuf(s);
     if (kb + 1 < nkb) prefetch(kb + 1);  // in flight while this block is computed
 
-    const uint32_t rg = rowgrp[warp / 2][fr], cg = colgrp[warp % 2][fc];
+    const uint32_t rg = rowgrp[s][warp / 2][fr], cg = colgrp[s][warp % 2][fc];
     const int rh = int(int16_t(rg >> 16)), ch = int(int16_t(cg >> 16));
     const bool special = rh == kStatSpecial || ch == kStatSpecial;
     const bool empty = rh == kStatEmpty || ch == kStatEmpty;  // every product of this thread is 0
@@ -375,11 +400,11 @@ __global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
 #pragma unroll
         for (int nt = 0; nt < TN; ++nt) {
           double c[4] = {0.0, 0.0, 0.0, 0.0};
-          mma_tile(c, mt, nt);  // the whole warp, whatever each thread then does with it
+          mma_tile(c, mt, nt, xsh, wsh);  // the whole warp, whatever each thread then does with it
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const int tm = mt * 2 + i / 2, j = nt * 2 + i % 2, o = tm * (TN * 2) + j;
-            const int32_t rs = xst[wm + tm * 8 + fr], cs = wst[wn + nt * 8 + 2 * fc + i % 2];
+            const int32_t rs = xst[s][wm + tm * 8 + fr], cs = wst[s][wn + nt * 8 + 2 * fc + i % 2];
             BlockPath path = block_path(rs, cs);
             if (path == kPathSkip) continue;
             if (path == kPathFast && !mma_ok) path = kPathExact;
@@ -403,6 +428,10 @@ __global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
           add_error(digits(o), S(o), interval);
           S(o) = 0.0;
         }
+    }
+    if (kb + 1 < nkb) {
+      if (kStages == 1) __syncthreads();  // every warp is done with the one stage
+      stage_in(kStages == 2 ? s ^ 1 : 0);  // with 2 stages, the one read in the previous block
     }
     __syncthreads();
   }
@@ -452,26 +481,28 @@ void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& xs, cons
   const bool vec_ok = K % VEC == 0 && reinterpret_cast<uintptr_t>(xp) % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(wp) % 16 == 0;
   dim3 grid(unsigned((N + BN - 1) / BN), unsigned((M + BM - 1) / BM));
-  constexpr int kSBytes = NOUT * THREADS * sizeof(double);  // the running sums S (dynamic shared memory)
   int dev = 0, optin = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  cudaFuncAttributes attr;
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, gemm_kernel<T, kFinalize, true>));
   void* out_f = kFinalize ? out.data_ptr() : nullptr;
   int64_t* out_d = kFinalize ? nullptr : out.data_ptr<int64_t>();
-  if (attr.sharedSizeBytes + kSBytes <= size_t(optin)) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(gemm_kernel<T, kFinalize, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        kSBytes));
-    gemm_kernel<T, kFinalize, true><<<grid, THREADS, kSBytes, stream>>>(
-        xp, wp, xs.data_ptr<int32_t>(), ws.data_ptr<int32_t>(), bias, M, N, K, nkb, interval, seg, vec_ok, out_fmt,
-        out_f, out_d);
-  } else {
-    gemm_kernel<T, kFinalize, false><<<grid, THREADS, 0, stream>>>(
-        xp, wp, xs.data_ptr<int32_t>(), ws.data_ptr<int32_t>(), bias, M, N, K, nkb, interval, seg, vec_ok, out_fmt,
-        out_f, out_d);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // The largest variant whose shared memory (static + dynamic) fits; false when it does not.
+  auto try_launch = [&](auto kernel, size_t dyn_bytes) {
+    cudaFuncAttributes attr;
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    if (attr.sharedSizeBytes + dyn_bytes > size_t(optin)) return false;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dyn_bytes)));
+    kernel<<<grid, THREADS, dyn_bytes, stream>>>(xp, wp, xs.data_ptr<int32_t>(), ws.data_ptr<int32_t>(), bias, M, N, K,
+                                                 nkb, interval, seg, vec_ok, out_fmt, out_f, out_d);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return true;
+  };
+  constexpr size_t kStageBytes = kStageDoubles * sizeof(double);
+  constexpr size_t kSBytes = NOUT * THREADS * sizeof(double);  // the running sums S
+  if (try_launch(gemm_kernel<T, kFinalize, true, 2>, 2 * kStageBytes + kSBytes)) return;
+  if (try_launch(gemm_kernel<T, kFinalize, true, 1>, kStageBytes + kSBytes)) return;
+  TORCH_CHECK(try_launch(gemm_kernel<T, kFinalize, false, 1>, kStageBytes),
+              "det_gemm: this GPU's per-block shared memory (", optin, " bytes) is below the kernel's ", kStageBytes);
 }
 
 template <bool kFinalize>
