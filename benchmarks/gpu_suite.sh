@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_suite.sh gemm linear     # then benchmarks/gemm.py and linear.py (--device cuda)
 #
 # Writes logs and results under $OUT when it is set (the lent device machine), else /tmp/ldet-gpu.
+# Pass LDET_COMMIT=<sha> (the results files record it): a copied working tree's git metadata
+# need not be at the commit that was sent.
 set -uo pipefail
 OUT=${OUT:-/tmp/ldet-gpu}
 mkdir -p "$OUT"
