@@ -166,3 +166,23 @@ def test_cuda_running_bound_transitions(dtype):
     torch.backends.cuda.matmul.allow_tf32 = False
     fin = torch.isfinite(full[:32])
     assert not torch.equal((x.float().cuda() @ w.float().cuda().T)[:32][fin], full[:32][fin])
+
+
+@cuda
+@pytest.mark.parametrize("scale_exp", [0, -65, 126])
+@pytest.mark.parametrize("tail", [1.0, -1.0])
+def test_cuda_fp32_segment_pair_rounding_near_ties(scale_exp, tail):
+    # For fp32 the CUDA kernel keeps H, the finished split segments' sum, beside the running sum
+    # S (S restarts at H's TwoSum error at each segment edge) and rounds the exact pair H + S
+    # (+ bias) to fp32 without the digits unless it sits on a tie. These rows put the hi*hi
+    # segment exactly on a tie with a +-2^-56 remainder from the later segments; with and
+    # without a bias, against the exact reference and the CPU kernel.
+    x, w = gen.fp32_pair_ties(scale_exp, tail)
+    for bias in (None, gen.normal((w.shape[0],), torch.float32, 80) * 2.0 ** min(scale_exp, 100)):
+        ref = R.gemm_rounded(x, w, bias)
+        got = det_gemm(x.cuda(), w.cuda(), None if bias is None else bias.cuda()).cpu()
+        assert_bitwise(got, ref, f"CUDA pair rounding near ties, scale 2^{scale_exp}, tail {tail}, bias {bias is not None}")
+        assert_bitwise(det_gemm(x, w, bias), ref, "CPU")
+    # control: the fp64 sum of the products rounded once more to fp32 misses these ties
+    if scale_exp == 0:
+        assert not torch.equal((x.double() @ w.double().T).float().diagonal(), R.gemm_rounded(x, w).diagonal())

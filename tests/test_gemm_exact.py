@@ -170,32 +170,13 @@ def test_fp32_epilogue_from_the_running_sum_edges():
 def test_fp32_split_pair_rounding_near_ties(scale_exp, tail):
     # fp32 inputs run as four K-segments of pieces cut at 2^(E - 17), E the exponent of the
     # row block's largest value (csrc/split.h). Each segment's running sum stays
-    # exact without the digits, but their total spans more than 53 bits, so the CPU epilogue
+    # exact without the digits, but their total spans more than 53 bits, so the epilogue
     # adds them into an exact pair hi + lo and rounds that to fp32 directly unless hi sits on an
     # fp32 rounding tie (or the overflow edge). Here hi lands exactly on a tie while lo (from the
-    # xh*wl, xl*wh and xl*wl segments, 2^-32 below) is non-zero either way: one row for each
+    # xh*wl, xl*wh and xl*wl segments, 2^-56 below) is non-zero either way: one row for each
     # base, once just above and once just below the tie. scale_exp 126 puts one base on the fp32
     # overflow threshold; -65 gives subnormal fp32 results.
-    s = 2.0 ** scale_exp
-    bases = [
-        [1.0, 2.0 ** -24],                       # tie between 1 and 1 + 2^-23
-        [1.0 + 2.0 ** -23, 2.0 ** -24],          # tie between 1 + 2^-23 and 1 + 2^-22
-        [1.0, 1.0 - 2.0 ** -24],                 # 2 - 2^-24: at scale 2^126, the overflow edge
-    ]
-    rows = []
-    for base in bases:
-        t = 2.0 ** -17 * (1 + 2.0 ** -23)
-        # the cancelling pair leaves nothing in the hi*hi segment, 2^-57 * tail in each cross
-        # segment and 2^-80 * tail in the lo*lo one
-        x = [b * s for b in base] + [t * s, -(2.0 ** -17) * s * tail]
-        w = [1.0, 1.0, t * tail, 2.0 ** -17]
-        rows.append((x, w))
-    # K = 32: each segment fills whole 32-wide K-blocks, as in real use (zeros add nothing)
-    x = torch.zeros(len(rows), 32, dtype=torch.float32)
-    w = torch.zeros(len(rows), 32, dtype=torch.float32)
-    for i, (xr, wr) in enumerate(rows):
-        x[i, :4], w[i, :4] = torch.tensor(xr), torch.tensor(wr)
-    assert torch.isfinite(x).all() and torch.isfinite(w).all()
+    x, w = gen.fp32_pair_ties(scale_exp, tail)
     got = det_gemm(x, w)
     ref = R.gemm_rounded(x, w)
     assert_bitwise(got, ref, f"pair rounding near ties, scale 2^{scale_exp}, tail {tail}")

@@ -26,6 +26,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "gemm_common.h"
 #include "op_checks.h"
@@ -153,15 +154,18 @@ __device__ __noinline__ void zero_digits(int64_t* d) {
   for (int q = 0; q <= LDET_WORDS; ++q) d[q] = 0;
 }
 
-// Bias, the final TwoSum residue and normalization, then the rounded value or the digits.
+// The finished segments' sum H, bias, the final TwoSum residue and normalization, then the
+// rounded value or the digits.
 template <bool kFinalize>
-__device__ __noinline__ void finish_output(double S, int64_t* d, bool touched, const double* bias, int64_t gn,
-                                           int64_t interval, int64_t off, int out_fmt, void* out_f, int64_t* out_d) {
+__device__ __noinline__ void finish_output(double S, double H, int64_t* d, bool touched, const double* bias,
+                                           int64_t gn, int64_t interval, int64_t off, int out_fmt, void* out_f,
+                                           int64_t* out_d) {
   int64_t tmp[LDET_WORDS + 1];
   if (!touched) {
     zero_digits(tmp);
     d = tmp;
   }
+  if (H != 0.0) acc_term(S, d, d[ADDS], interval, H);  // finite: a sum of finite products
   if (bias) acc_any(S, d, d[ADDS], interval, bias[gn]);
   acc_finish(S, d);
   if (kFinalize) {
@@ -219,12 +223,17 @@ __device__ __forceinline__ double max_abs_bound(const double (&C)[N]) {
 
 // kStages: staged K-blocks in shared memory. 2 (double buffering): block kb + 1 is stored while
 // the other warps may still read block kb, one barrier per block; 1: a second barrier instead.
-// kSShared: S in dynamic shared memory (fast); false keeps S in the thread's own arrays
-// (registers and local memory). The launch picks the largest variant the GPU's per-block shared
-// memory holds (106 KiB, 69 KiB, 37 KiB). Same operations on the same values: the same bytes.
+// kSShared: S (and H) in dynamic shared memory (fast); false keeps them in the thread's own
+// arrays (registers and local memory). The launch picks the largest variant the GPU's per-block
+// shared memory holds. Same operations on the same values: the same bytes.
+// kSegH (fp32 inputs, which run as the four segments of csrc/split.h): every output also keeps
+// H, the finished segments' sum. At a segment edge S enters H by one TwoSum and S restarts at
+// its rounding error, so the smaller segments never meet S at the hi-hi magnitude and the
+// digits stay untouched on ordinary data; the epilogue rounds the exact pair H + S directly.
+// It costs 32 KiB more, so fp32 runs with one stage (101 KiB).
 constexpr int kStageDoubles = (BM + BN) * SK;  // one staged K-block of x and w
 
-template <typename T, bool kFinalize, bool kSShared, int kStages>
+template <typename T, bool kFinalize, bool kSShared, int kStages, bool kSegH = std::is_same<T, float>::value>
 __global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
     gemm_kernel(const T* __restrict__ x, const T* __restrict__ w, const int32_t* __restrict__ xs,
                 const int32_t* __restrict__ ws, const double* __restrict__ bias, int64_t M, int64_t N, int64_t K,
@@ -249,7 +258,7 @@ __global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
   // once per chunk, in dynamic shared memory (Ssh[o][thread]: conflict-free) where the GPU has
   // room for it, which keeps the registers below the spill limit.
   double* Ssh = dyn_smem + kStages * kStageDoubles;
-  double Sown[kSShared ? 1 : NOUT];
+  double Sown[kSShared ? 1 : NOUT], Hown[kSShared || !kSegH ? 1 : NOUT];
   auto S = [&](int o) -> double& {
     if constexpr (kSShared) {
       return Ssh[o * THREADS + threadIdx.x];
@@ -257,11 +266,21 @@ __global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
       return Sown[o];
     }
   };
+  auto H = [&](int o) -> double& {  // only with kSegH
+    if constexpr (kSShared) {
+      return Ssh[(NOUT + o) * THREADS + threadIdx.x];
+    } else {
+      return Hown[kSegH ? o : 0];
+    }
+  };
   double C[NOUT];
   int64_t dig[NOUT][LDET_WORDS + 1];  // local memory: digits + addition counter, zeroed lazily
   uint32_t touched = 0;
 #pragma unroll
-  for (int o = 0; o < NOUT; ++o) S(o) = C[o] = 0.0;
+  for (int o = 0; o < NOUT; ++o) {
+    S(o) = C[o] = 0.0;
+    if constexpr (kSegH) H(o) = 0.0;
+  }
   double Cb = 0.0;   // >= max |C[o]| of this thread
   int Lc = kNoLow;   // every C[o] is a multiple of 2^Lc
 
@@ -418,16 +437,22 @@ __global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
         }
     }
     // Segment edge of the fp32 split (x' = [xh|xh|xl|xl]): the products' scales drop by 2^17
-    // (kSplitBits) per piece, so the chunk closes and S moves into the digits here (exact) and restarts small;
+    // (kSplitBits) per piece, so the chunk closes and S leaves: into H (kSegH: H + S by TwoSum,
+    // S restarts at the rounding error) or into the digits (exact), and restarts small;
     // otherwise the lo-lo segment's low bits would not fit beside the hi-hi magnitude of S.
     if (seg > 0 && ((kb + 1) * BK) / seg != (kb * BK) / seg) {
       close_chunk();
 #pragma unroll
-      for (int o = 0; o < NOUT; ++o)
-        if (S(o) != 0.0) {
+      for (int o = 0; o < NOUT; ++o) {
+        if constexpr (kSegH) {
+          double e;
+          H(o) = two_sum(H(o), S(o), &e);
+          S(o) = e;
+        } else if (S(o) != 0.0) {
           add_error(digits(o), S(o), interval);
           S(o) = 0.0;
         }
+      }
     }
     if (kb + 1 < nkb) {
       if (kStages == 1) __syncthreads();  // every warp is done with the one stage
@@ -443,18 +468,19 @@ __global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
     const int64_t gm = m0 + wm + tm * 8 + fr, gn = n0 + wn + (j / 2) * 8 + 2 * fc + (j % 2);
     if (gm >= M || gn >= N) continue;
     const bool was_touched = (touched >> o) & 1u;
+    const double h = kSegH ? H(o) : 0.0;
     if (kFinalize && out_fmt == kFmtF32 && !was_touched) {
-      // No digit was needed: the exact sum is S (+ bias, when that add is exact too), a single
-      // double, which round_pair_to_fp32 (lo = 0) rounds as finalize_fp32 would, as on the CPU.
-      double s = S(o), e = 0.0;
-      if (bias) s = is_finite(bias[gn]) ? two_sum(S(o), bias[gn], &e) : (e = 1.0, 0.0);
+      // No digit was needed: the exact sum is H + S + bias. When the TwoSum chain proves it an
+      // exact pair hi + lo, round_pair_to_fp32 rounds it as finalize_fp32 would (as on the CPU).
+      const double v[3] = {h, S(o), bias ? bias[gn] : 0.0};
+      double hi, lo;
       float f;
-      if (e == 0.0 && round_pair_to_fp32(s, 0.0, &f)) {
+      if (is_finite(v[2]) && exact_pair_sum(v, 3, &hi, &lo) && round_pair_to_fp32(hi, lo, &f)) {
         static_cast<float*>(out_f)[gm * N + gn] = f;
         continue;
       }
     }
-    finish_output<kFinalize>(S(o), dig[o], was_touched, bias, gn, interval, gm * N + gn, out_fmt, out_f, out_d);
+    finish_output<kFinalize>(S(o), h, dig[o], was_touched, bias, gn, interval, gm * N + gn, out_fmt, out_f, out_d);
   }
 }
 
@@ -498,9 +524,13 @@ void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& xs, cons
     return true;
   };
   constexpr size_t kStageBytes = kStageDoubles * sizeof(double);
-  constexpr size_t kSBytes = NOUT * THREADS * sizeof(double);  // the running sums S
-  if (try_launch(gemm_kernel<T, kFinalize, true, 2>, 2 * kStageBytes + kSBytes)) return;
-  if (try_launch(gemm_kernel<T, kFinalize, true, 1>, kStageBytes + kSBytes)) return;
+  constexpr size_t kSBytes = NOUT * THREADS * sizeof(double);  // the running sums S (or H)
+  if constexpr (std::is_same<T, float>::value) {  // S and H: one stage, so 2 CTAs fit per SM
+    if (try_launch(gemm_kernel<T, kFinalize, true, 1>, kStageBytes + 2 * kSBytes)) return;
+  } else {
+    if (try_launch(gemm_kernel<T, kFinalize, true, 2>, 2 * kStageBytes + kSBytes)) return;
+    if (try_launch(gemm_kernel<T, kFinalize, true, 1>, kStageBytes + kSBytes)) return;
+  }
   TORCH_CHECK(try_launch(gemm_kernel<T, kFinalize, false, 1>, kStageBytes),
               "det_gemm: this GPU's per-block shared memory (", optin, " bytes) is below the kernel's ", kStageBytes);
 }
