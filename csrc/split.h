@@ -28,20 +28,27 @@ namespace ldet {
 constexpr int kSplitBits = 17;
 
 // (xh, xl) of an fp32 (rows, K) tensor, on its own device, in exact integer and fp32 operations.
+// In-place steps keep at most three (rows, K) temporaries alive at once: the split runs right
+// before the GEMM, at the step's memory peak.
 inline std::pair<at::Tensor, at::Tensor> split_pieces(const at::Tensor& t) {
   const int64_t rows = t.size(0), K = t.size(1), BK = LDET_KBLOCK, nkb = (K + BK - 1) / BK;
   const at::Tensor bits = t.contiguous().view(at::kInt);
-  const at::Tensor field = at::bitwise_and(at::bitwise_right_shift(bits, 23), 0xff);  // biased exponent
+  at::Tensor field = at::bitwise_right_shift(bits, 23).bitwise_and_(0xff);  // biased exponent
   // The block's largest exponent field is the exponent of its largest |x| (0: zeros, subnormals).
   const at::Tensor emax = at::constant_pad_nd(field, {0, nkb * BK - K}, 0).view({rows, nkb, BK}).amax(2);
-  const at::Tensor cut = (emax - kSplitBits).repeat_interleave(BK, 1).narrow(1, 0, K);  // biased 2^cut
-  // A value's lowest significand bit weighs 2^(max(field, 1) - 150); clear the bits below the
-  // cut: `shift` of them. shift >= 24 clears all of it (xh = 0), shift <= 0 none.
-  const at::Tensor shift = cut - at::clamp_min(field, 1) + 23;
-  const at::Tensor low = at::bitwise_left_shift(at::ones_like(shift), at::clamp(shift, 0, 23)) - 1;
-  const at::Tensor mask = at::where(shift >= 24, at::zeros_like(low), at::bitwise_not(low));
-  const at::Tensor hi = at::bitwise_and(bits, mask).view(at::kFloat);
-  return {hi, t - hi};  // t - hi is exact: it is t's bits below the cut
+  // A value's lowest significand bit weighs 2^(max(field, 1) - 150) and the cut 2^(emax - 127 -
+  // kSplitBits): clear the `shift` bits below the cut. shift >= 24 clears all of it (xh = 0),
+  // shift <= 0 none.
+  at::Tensor shift = (emax - (kSplitBits - 23)).repeat_interleave(BK, 1).narrow(1, 0, K).contiguous();
+  shift.sub_(field.clamp_min_(1));
+  field.reset();
+  const at::Tensor all_cut = shift >= 24;
+  // ~(2^s - 1) == -(2^s) in two's complement: the mask keeps the bits at and above the cut.
+  at::Tensor mask = at::bitwise_left_shift(1, shift.clamp_(0, 23)).neg_().masked_fill_(all_cut, 0);
+  shift.reset();
+  at::Tensor hi = mask.bitwise_and_(bits).view(at::kFloat);
+  at::Tensor lo = t - hi;  // exact: t's bits below the cut
+  return {hi, lo};
 }
 
 // Returns (x', w') for the split product, or undefined tensors when the split does not apply.
@@ -49,9 +56,16 @@ inline std::pair<at::Tensor, at::Tensor> split_fp32_for_fast_path(const at::Tens
   if (x.scalar_type() != at::kFloat || w.scalar_type() != at::kFloat) return {};
   if (x.numel() == 0 || w.numel() == 0) return {};
   if (!(x.isfinite().all().item<bool>() && w.isfinite().all().item<bool>())) return {};
-  auto [xh, xl] = split_pieces(x);
-  auto [wh, wl] = split_pieces(w);
-  return {at::cat({xh, xh, xl, xl}, 1), at::cat({wh, wl, wh, wl}, 1)};
+  at::Tensor xs, ws;
+  {
+    auto [xh, xl] = split_pieces(x);  // released before w is split
+    xs = at::cat({xh, xh, xl, xl}, 1);
+  }
+  {
+    auto [wh, wl] = split_pieces(w);
+    ws = at::cat({wh, wl, wh, wl}, 1);
+  }
+  return {xs, ws};
 }
 
 }  // namespace ldet
