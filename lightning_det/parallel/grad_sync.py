@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from ..nn.grad_digits import DIGITS_ATTR, grad_digits
-from ..ops import det_finalize, det_normalize, to_digits
+from ..ops import det_finalize, to_digits
 from ..ops.distributed import det_all_reduce_windowed
 from ..profile import WORDS
 
@@ -36,7 +36,8 @@ def grad_scale_exp(world_size: int, loss_is_global: bool) -> int:
 
 
 def sync_gradients(
-    params: Iterable[torch.Tensor], group: Optional[object] = None, scale_exp: int = 0
+    params: Iterable[torch.Tensor], group: Optional[object] = None, scale_exp: int = 0,
+    bucket_elements: int = 1 << 20,
 ) -> dict:
     """Sums every gradient exactly over the ranks and rounds it once into ``param.grad``.
 
@@ -44,13 +45,20 @@ def sync_gradients(
         params: parameters in a fixed order (the same on every rank).
         group: process group; None = the default group (or a single process when none exists).
         scale_exp: power-of-two scale applied inside the rounding (see :func:`grad_scale_exp`).
+        bucket_elements: gradient elements per windowed reduce (whole parameters; a larger
+            parameter is a bucket of its own). Must be the same on every rank. Only memory and the
+            number of collectives depend on it, never the result.
 
     Parameters with pending digits (``DetLinear`` and friends in digit mode) contribute their
     unrounded sums: the result is the same at any world size and micro-batching. Parameters
     that only have a rounded ``.grad`` (uncovered modules) are summed exactly too, which makes
     them independent of rank order but not of the world size: the caller labels the run
-    unverified. Every rank takes part in one windowed reduce of one flat buffer (a small MAX
-    all-reduce agreeing on bit windows, then one int64 SUM all-reduce).
+    unverified. With several ranks, each bucket of parameters takes part in one windowed reduce
+    (a small MAX all-reduce agreeing on bit windows, then one int64 SUM all-reduce). In a single
+    process the reduction is the identity and each parameter's digits are rounded on their own.
+    Either way a parameter's digits are released as soon as its ``.grad`` is written, so beside
+    the pending digits (152 bytes per element) at most about two buckets' worth is allocated,
+    not two more copies of all of them.
 
     Returns:
         {"exact": n, "rounded_only": n, "elements": n, "bytes": n, "fallback_elements": n} for
@@ -58,36 +66,61 @@ def sync_gradients(
         agreement and the packed SUM, 0 in a single process), "fallback_elements" how many
         gradient elements went as full digits (NaN/inf or windows too wide to pack).
     """
+    if bucket_elements < 1:
+        raise ValueError(f"bucket_elements: expected a positive element count, got {bucket_elements}")
     params = [p for p in params if p.requires_grad]
+    stats = {"exact": 0, "rounded_only": 0, "elements": 0, "bytes": 0, "fallback_elements": 0}
     if not params:
-        return {"exact": 0, "rounded_only": 0, "elements": 0, "bytes": 0, "fallback_elements": 0}
-    parts, exact, rounded = [], 0, 0
-    for p in params:
+        return stats
+
+    def digits_of(p: torch.Tensor) -> torch.Tensor:
         acc = grad_digits(p)
         if acc is not None:
-            exact += 1
+            stats["exact"] += 1
         elif p.grad is not None:
-            rounded += 1
+            stats["rounded_only"] += 1
             acc = to_digits(p.grad)
         else:
             acc = torch.zeros((*p.shape, WORDS), dtype=torch.int64, device=p.device)
-        parts.append(acc.reshape(-1, WORDS))
-    flat = torch.cat(parts)
-    multi = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-    # each block of elements travels in the bit window it uses (exact; see det_all_reduce_windowed)
-    sync: dict = {}
-    if multi:
-        flat, _ = det_all_reduce_windowed(flat, group, stats=sync)
-    else:
-        flat = det_normalize(flat)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        acc = flat[offset : offset + n].reshape(*p.shape, WORDS)
-        offset += n
+        stats["elements"] += p.numel()
+        return acc
+
+    def round_into_grad(p: torch.Tensor, acc: torch.Tensor) -> None:
         dtype = p.dtype if p.dtype in _FLOATS else torch.float32
-        p.grad = det_finalize(acc, dtype, scale_exp=scale_exp)
+        p.grad = det_finalize(acc.reshape(*p.shape, WORDS), dtype, scale_exp=scale_exp)  # normalizes first
         if hasattr(p, DIGITS_ATTR):
             delattr(p, DIGITS_ATTR)
-    return {"exact": exact, "rounded_only": rounded, "elements": flat.shape[0], "bytes": sync.get("bytes", 0),
-            "fallback_elements": sync.get("fallback_elements", 0)}
+
+    multi = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    if not multi:
+        for p in params:
+            round_into_grad(p, digits_of(p))
+        return stats
+    for bucket in _buckets(params, bucket_elements):
+        parts = [digits_of(p).reshape(-1, WORDS) for p in bucket]
+        flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+        del parts
+        # each block of elements travels in the bit window it uses (exact; see det_all_reduce_windowed)
+        sync: dict = {}
+        flat, _ = det_all_reduce_windowed(flat, group, stats=sync)
+        stats["bytes"] += sync.get("bytes", 0)
+        stats["fallback_elements"] += sync.get("fallback_elements", 0)
+        offset = 0
+        for p in bucket:
+            round_into_grad(p, flat[offset : offset + p.numel()])
+            offset += p.numel()
+    return stats
+
+
+def _buckets(params: list, bucket_elements: int) -> list:
+    """Consecutive parameters grouped up to ``bucket_elements`` (a larger one stands alone)."""
+    buckets, cur, n = [], [], 0
+    for p in params:
+        if cur and n + p.numel() > bucket_elements:
+            buckets.append(cur)
+            cur, n = [], 0
+        cur.append(p)
+        n += p.numel()
+    if cur:
+        buckets.append(cur)
+    return buckets
