@@ -373,3 +373,29 @@ class _Fn(nn.Module):
 
     def forward(self, x):
         return self.f(x)
+
+
+@pytest.mark.parametrize("take", [False, True])
+def test_add_grad_digits_in_place_sum_equals_det_combine(take):
+    # Gradient accumulation adds each micro-batch's digits into the pending ones. A handed-over
+    # (take=True) or previously summed accumulator is added into in place; the result must be
+    # det_combine's exact canonical sum, and a caller's tensor passed with take=False must never
+    # be written. Values: wide magnitudes, cancellation across contributions, NaN/inf counters.
+    from lightning_det.nn import add_grad_digits, grad_digits
+    from lightning_det.ops import det_combine, to_digits
+
+    g = torch.Generator().manual_seed(90)
+    vals = [torch.randn(6, 5, generator=g) * torch.pow(2.0, torch.randint(-60, 60, (6, 5), generator=g).float())
+            for _ in range(4)]
+    vals[1] = -vals[0] + vals[1] * 2.0 ** -40  # cancels contribution 0 almost exactly
+    vals[2][0, 0], vals[3][1, 1], vals[3][2, 2] = float("inf"), float("nan"), float("-inf")
+    accs = [to_digits(v) for v in vals]
+    before = [a.clone() for a in accs]
+    p = torch.nn.Parameter(torch.zeros(6, 5))
+    for a in accs:
+        add_grad_digits(p, a, take=take)
+    assert torch.equal(grad_digits(p), det_combine(before)), "pending digits != exact canonical sum"
+    if not take:
+        assert all(torch.equal(a, b) for a, b in zip(accs, before)), "a caller's tensor was written"
+    else:
+        assert not torch.equal(accs[0], before[0]), "control: with take=True the first tensor is summed into"

@@ -63,7 +63,7 @@ class _DetEmbeddingFn(torch.autograd.Function):
             acc = _scatter_digits(idx1, gy2, weight.shape[0])
             if pad is not None:
                 acc[pad] = 0  # PyTorch semantics: the padding row gets no gradient
-            add_grad_digits(weight, acc)
+            add_grad_digits(weight, acc, take=True)
             return None, None, None
         # Only the rows that occur: a (V, D, 19) temporary would be 152x the weight's size.
         uniq, inv = torch.unique(idx1, return_inverse=True)

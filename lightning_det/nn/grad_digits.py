@@ -20,12 +20,14 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from ..ops import LongAcc, det_combine, det_finalize
+from ..ops import LongAcc, det_combine, det_finalize, det_normalize
+from ..ops.longacc import check_acc
 
 __all__ = ["DIGITS_ATTR", "set_grad_digits", "add_grad_digits", "grad_digits", "finalize_grad_digits"]
 
 DIGITS_ATTR = "ldet_grad_digits"
 _FLAG = "ldet_digit_mode"
+_OWNED = "ldet_grad_digits_owned"  # the pending digits were made or handed over here: writable
 
 
 def set_grad_digits(module: nn.Module, enabled: bool = True) -> None:
@@ -39,12 +41,37 @@ def digit_mode(module: nn.Module) -> bool:
     return bool(getattr(module, _FLAG, False))
 
 
-def add_grad_digits(param: torch.Tensor, acc: LongAcc) -> None:
-    """Adds an exact gradient contribution (LongAcc of shape ``(*param.shape, 19)``)."""
+def add_grad_digits(param: torch.Tensor, acc: LongAcc, *, take: bool = False) -> None:
+    """Adds an exact gradient contribution (LongAcc of shape ``(*param.shape, 19)``, canonical).
+
+    Args:
+        param: the parameter whose pending digits receive the contribution.
+        acc: int64 ``(*param.shape, 19)`` on the parameter's pending digits' device.
+        take: the caller hands ``acc`` over (it keeps no reference and will not read it
+            again), so it may become the pending digits and later sums may go into it in place:
+            one full copy of the digits fewer at the memory peak of gradient accumulation. The
+            Det modules pass True for the tensors their backward just made; with False the
+            caller's tensor is never written.
+    """
+    check_acc(acc, "acc")
     if acc.shape[:-1] != param.shape:
         raise ValueError(f"acc: expected shape {(*param.shape, 19)} for this parameter, got {tuple(acc.shape)}")
     prev = getattr(param, DIGITS_ATTR, None)
-    setattr(param, DIGITS_ATTR, acc if prev is None else det_combine([prev, acc]))
+    if prev is None:
+        setattr(param, DIGITS_ATTR, acc)
+        setattr(param, _OWNED, take)
+        return
+    if getattr(param, _OWNED, False):
+        if acc.device != prev.device:
+            raise ValueError(f"acc: expected device {prev.device} like the pending digits, got {acc.device}")
+        # Two canonical accumulators: the sum is far inside every digit's headroom (longacc.h).
+        prev.add_(acc)
+        total = det_normalize(prev)
+    else:
+        total = det_combine([prev, acc])
+    del prev
+    setattr(param, DIGITS_ATTR, total)
+    setattr(param, _OWNED, True)  # made here: nobody else holds it
 
 
 def grad_digits(param: torch.Tensor) -> Optional[LongAcc]:

@@ -56,9 +56,9 @@ class _DetLinearFn(torch.autograd.Function):
         if digit_mode(ctx.module):
             # unrounded sums over every batch row, left for the owner of the step to round once
             if want_w:
-                add_grad_digits(ctx.module.weight, det_gemm_partial(g2t, x2.t()))
+                add_grad_digits(ctx.module.weight, det_gemm_partial(g2t, x2.t()), take=True)
             if want_b:
-                add_grad_digits(ctx.module.bias, det_gemm_partial(g2t, ones).squeeze(-2))
+                add_grad_digits(ctx.module.bias, det_gemm_partial(g2t, ones).squeeze(-2), take=True)
             return gx, None, None, None
         if want_w:
             gw = det_gemm(g2t, x2.t(), out_dtype=weight.dtype)

@@ -52,7 +52,7 @@ def _rstd(var: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _grad_or_digits(module, param, acc, digits: bool):
     if digits:
-        add_grad_digits(param, acc)
+        add_grad_digits(param, acc, take=True)
         return None
     return det_finalize(acc, param.dtype if param.dtype in _FLOATS else torch.float32)
 
