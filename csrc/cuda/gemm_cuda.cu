@@ -1,6 +1,6 @@
 // CUDA exact GEMM (schemas: csrc/schema/gemm.cpp; algorithm: csrc/gemm_common.h).
 //
-// v3 structure (benchmarks/NOTES.md has the floor, the predictions and the measurements):
+// v4 structure (benchmarks/NOTES.md has the floor, the predictions and the measurements):
 //   1. a statistics kernel: per (32-wide K-block, row) exponent bounds of x and of w, stored
 //      K-block-major so the main kernel reads a tile's statistics with coalesced loads;
 //   2. the main kernel: 64 x 64 output tile per block of 4 warps, each warp a 32 x 32 sub-tile
@@ -14,8 +14,9 @@
 //           the block sum, or product by product; inf/NaN are recorded as specials);
 //        digits  the long accumulator, touched only by non-zero TwoSum errors and exact-path
 //           products, zeroed on first touch, so most outputs never pay for them.
-//      exact sum = S + C + digits; the epilogue rounds it once (straight from S when the
-//      digits were never touched and the output is fp32).
+//      exact sum = S + C + digits (+ H, the finished segments' sum, for fp32 inputs: see kSegH);
+//      the epilogue rounds it once (straight from S, or the exact pair H + S, when the digits
+//      were never touched and the output is fp32).
 // The canonical digits are unique, so results equal the CPU's bit for bit, whichever path ran.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
@@ -239,7 +240,7 @@ __global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
                 const int32_t* __restrict__ ws, const double* __restrict__ bias, int64_t M, int64_t N, int64_t K,
                 int64_t nkb, int64_t interval, int64_t seg, bool vec_ok, int out_fmt, void* __restrict__ out_f,
                 int64_t* __restrict__ out_d) {
-  // Dynamic shared memory: kStages x (x block, w block) as fp64, then S when kSShared.
+  // Dynamic shared memory: kStages x (x block, w block) as fp64, then S (and H) when kSShared.
   extern __shared__ __align__(16) double dyn_smem[];
   auto xbuf = [&](int s) { return reinterpret_cast<double(*)[SK]>(dyn_smem + s * kStageDoubles); };
   auto wbuf = [&](int s) { return reinterpret_cast<double(*)[SK]>(dyn_smem + s * kStageDoubles + BM * SK); };
