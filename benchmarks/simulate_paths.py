@@ -1,11 +1,12 @@
-"""How often the CUDA GEMM kernel (v3) leaves its fast path, computed from the data alone.
+"""How often the CUDA GEMM kernel (v3, v4) leaves its fast path, computed from the data alone.
 
     python benchmarks/simulate_paths.py                      # randn, K = 4096, fp32 and bf16
     python benchmarks/simulate_paths.py --k 1024 --size 512
+    python benchmarks/simulate_paths.py --split piece12       # fp32 as the earlier 12-bit pieces
 
 No GPU needed: this recomputes the kernel's per-(row, 32-wide K-block) exponent statistics
 (max hi, min lo, as csrc/gemm_common.h's StatAcc) on the operands as the kernel sees them (fp32:
-the four 12-bit-piece segments of csrc/split.h), forms the same thread groups as
+the four piece segments of csrc/split.h, cut at 2^(E - --bits) per row block), forms the same thread groups as
 csrc/cuda/gemm_cuda.cu (a thread's 4 rows fr, fr+8, fr+16, fr+24 of a 32-row warp half and its 8
 columns 8jj + 2fc + i of a 32-column half) and reports:
 
