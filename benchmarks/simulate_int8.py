@@ -22,25 +22,14 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from simulate_paths import block_stats  # noqa: E402  (the kernels' per-(row, block) exponent statistics)
 
 SLICE_BITS = 7  # magnitude bits per signed int8 slice
 
 
 def bits_needed(a: torch.Tensor, block: int) -> np.ndarray:
     """Per (row, K-block): E + 1 - (lowest set bit over the block's values), 0 for all-zero blocks."""
-    v = np.abs(a.double().numpy())
-    nz = v > 0
-    m, e = np.frexp(v)
-    hi = e - 1
-    mant = np.where(nz, np.ldexp(m, 53).astype(np.int64), 1)
-    lo = hi - 52 + (np.frexp((mant & -mant).astype(np.float64))[1] - 1)
-    rows, k = v.shape
-    nkb = -(-k // block)
-    pad = nkb * block - k
-    H = np.pad(np.where(nz, hi, -(10 ** 6)), ((0, 0), (0, pad)), constant_values=-(10 ** 6))
-    L = np.pad(np.where(nz, lo, 10 ** 6), ((0, 0), (0, pad)), constant_values=10 ** 6)
-    H = H.reshape(rows, nkb, block).max(2)
-    L = L.reshape(rows, nkb, block).min(2)
+    H, L = block_stats(a, block)
     return np.where(H > -(10 ** 6), H + 1 - L, 0)
 
 
@@ -62,7 +51,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--block", type=int, default=64, help="K-block width sharing one exponent per row")
     p.add_argument("--size", type=int, default=512, help="rows of the randn operand")
-    p.add_argument("--k", type=int, default=2048)
+    p.add_argument("--k", type=int, default=2048, help="K (a ragged last block is left out)")
     p.add_argument("--real", action=argparse.BooleanOptionalAction, default=True,
                    help="also the gpt_char operands of benchmarks/gemm.py's real data (a short CPU training run)")
     a = p.parse_args(argv)

@@ -48,8 +48,9 @@ def split_aligned(t: torch.Tensor, bits: int):
     return hi, t - hi
 
 
-def block_stats(a: torch.Tensor):
-    """(max hi, min lo) per (row, K-block); empty blocks get (-inf-like, +inf-like)."""
+def block_stats(a: torch.Tensor, block: int = BK):
+    """(max hi, min lo) per (row, K-block of `block`; a ragged tail is left out); empty blocks get
+    (-10^6, 10^6)."""
     v = np.abs(a.double().numpy())
     nz = v > 0
     m, e = np.frexp(v)
@@ -58,13 +59,13 @@ def block_stats(a: torch.Tensor):
     lowest = mant & -mant
     lo = hi - 52 + (np.frexp(lowest.astype(np.float64))[1] - 1)
     rows, k = v.shape
-    nkb = k // BK
-    H = np.where(nz, hi, -(10 ** 6))[:, : nkb * BK].reshape(rows, nkb, BK).max(2)
-    L = np.where(nz, lo, 10 ** 6)[:, : nkb * BK].reshape(rows, nkb, BK).min(2)
+    nkb = k // block
+    H = np.where(nz, hi, -(10 ** 6))[:, : nkb * block].reshape(rows, nkb, block).max(2)
+    L = np.where(nz, lo, 10 ** 6)[:, : nkb * block].reshape(rows, nkb, block).min(2)
     return H, L
 
 
-def simulate(x: torch.Tensor, w: torch.Tensor, split: str = "aligned", bits: int = 20) -> dict:
+def simulate(x: torch.Tensor, w: torch.Tensor, split: str = "aligned", bits: int = 17) -> dict:
     if x.dtype == torch.float32:
         piece = split_pieces if split == "piece12" else (lambda t: split_aligned(t, bits))
         xh, xl = piece(x)
@@ -105,7 +106,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--split", default="aligned", choices=["aligned", "piece12"],
                    help="fp32 split: block-aligned pieces (csrc/split.h) or the earlier 12-bit pieces")
-    p.add_argument("--bits", type=int, default=20, help="aligned split: xh keeps weights >= 2^(E - bits)")
+    p.add_argument("--bits", type=int, default=17,
+                   help="aligned split: xh keeps weights >= 2^(E - bits) (csrc/split.h's kSplitBits)")
     a = p.parse_args(argv)
     if a.size % 32:
         p.error("--size: expected a multiple of 32")
