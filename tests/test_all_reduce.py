@@ -169,8 +169,9 @@ def test_digit_all_reduce_full_and_windowed_are_exact():
     cases = {m[1]: (float(m[2]), int(m[3]), int(m[4]), int(m[5])) for m in re.finditer(
         r"case (\w+): exact, bytes=([\d.]+) per element, fallback_blocks=(\d+) of (\d+), fast_blocks=(\d+)", proc.stdout)}
     expected = {"real_like", "wide_exponents", "specials", "zeros", "one_rank_nonzero", "mixed_magnitudes",
-                "rank_magnitudes", "cancelling", "real_like_block7", "specials_block1", "sync_buckets"}
+                "rank_magnitudes", "cancelling", "real_like_block7", "specials_block1"}
     assert set(cases) == expected, proc.stdout
+    assert "sync_gradients: exact for bucket_elements 1, 400, 1048576" in proc.stdout, proc.stdout
     nbytes, fallback, blocks, fast = cases["real_like"]
     assert nbytes <= 16 and fallback == 0, proc.stdout  # the target: fp32 DDP moves 4, full digits 152
     nbytes, fallback, blocks, fast = cases["wide_exponents"]
