@@ -27,7 +27,10 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <type_traits>
+#include <utility>
 
 #include "gemm_common.h"
 #include "op_checks.h"
@@ -485,6 +488,59 @@ __global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
   }
 }
 
+// The shared-memory facts a launch needs never change for a (device, kernel), but querying
+// them costs host time on every call (cudaDeviceGetAttribute, cudaFuncGetAttributes,
+// cudaFuncSetAttribute): each is asked or set once per process and remembered here.
+struct KernelSmem {
+  size_t static_bytes = 0;  // the kernel's static shared memory
+  size_t dyn_limit = 0;     // the dynamic limit already set for it on this device
+};
+
+std::mutex& smem_cache_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+int optin_smem_bytes(int dev) {  // caller holds smem_cache_mutex()
+  static std::map<int, int> optin;
+  auto it = optin.find(dev);
+  if (it == optin.end()) {
+    int bytes = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    it = optin.emplace(dev, bytes).first;
+  }
+  return it->second;
+}
+
+KernelSmem& kernel_smem(int dev, const void* kernel) {  // caller holds smem_cache_mutex()
+  static std::map<std::pair<int, const void*>, KernelSmem> cache;
+  auto it = cache.find({dev, kernel});
+  if (it == cache.end()) {
+    cudaFuncAttributes attr;
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    KernelSmem k;
+    k.static_bytes = attr.sharedSizeBytes;
+    it = cache.emplace(std::make_pair(dev, kernel), k).first;
+  }
+  return it->second;
+}
+
+// True when ``kernel`` with ``dyn_bytes`` of dynamic shared memory fits this device's opt-in
+// limit; then its dynamic limit is set (once) so the launch may use them.
+template <typename Kernel>
+bool prepare_smem(int dev, Kernel kernel, size_t dyn_bytes, int* optin_out) {
+  std::lock_guard<std::mutex> lock(smem_cache_mutex());
+  const int optin = optin_smem_bytes(dev);
+  *optin_out = optin;
+  KernelSmem& k = kernel_smem(dev, reinterpret_cast<const void*>(kernel));
+  if (k.static_bytes + dyn_bytes > size_t(optin)) return false;
+  if (k.dyn_limit < dyn_bytes) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dyn_bytes)));
+    k.dyn_limit = dyn_bytes;
+  }
+  return true;
+}
+
 template <typename T, bool kFinalize>
 void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& xs, const at::Tensor& ws, const double* bias,
             int64_t nkb, int64_t interval, int64_t seg, int out_fmt, at::Tensor& out) {
@@ -510,15 +566,11 @@ void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& xs, cons
   dim3 grid(unsigned((N + BN - 1) / BN), unsigned((M + BM - 1) / BM));
   int dev = 0, optin = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
   void* out_f = kFinalize ? out.data_ptr() : nullptr;
   int64_t* out_d = kFinalize ? nullptr : out.data_ptr<int64_t>();
   // The largest variant whose shared memory (static + dynamic) fits; false when it does not.
   auto try_launch = [&](auto kernel, size_t dyn_bytes) {
-    cudaFuncAttributes attr;
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-    if (attr.sharedSizeBytes + dyn_bytes > size_t(optin)) return false;
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dyn_bytes)));
+    if (!prepare_smem(dev, kernel, dyn_bytes, &optin)) return false;
     kernel<<<grid, THREADS, dyn_bytes, stream>>>(xp, wp, xs.data_ptr<int32_t>(), ws.data_ptr<int32_t>(), bias, M, N, K,
                                                  nkb, interval, seg, vec_ok, out_fmt, out_f, out_d);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
