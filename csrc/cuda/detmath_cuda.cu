@@ -1,12 +1,19 @@
 // CUDA implementations of act / act_backward / dot_rows / dot_cols (schemas:
 // csrc/schema/detmath.cpp). One thread per element (activations) or per output sum (dots),
-// running the same detmath.h / longacc.h code as the CPU. Inputs are widened to fp64 first
-// (exact), which keeps one kernel per op; speed is a later concern, the bytes are the point.
+// running the same detmath.h / longacc.h code as the CPU. Each thread widens its inputs to fp64
+// as it loads them (exact): no fp64 copies of whole tensors, which were twice an fp32 input's
+// bytes beside it at det_ddp's memory peak (GELU's backward on the 4d-wide MLP activation).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <torch/library.h>
+
+#include <tuple>
+#include <type_traits>
+#include <utility>
 
 #include "detmath.h"
 #include "detmath_checks.h"
@@ -18,11 +25,40 @@ constexpr int kThreads = 256;
 
 unsigned blocks_for(int64_t n) { return unsigned((n + kThreads - 1) / kThreads); }
 
-__global__ void act_kernel(const double* __restrict__ x, const double* __restrict__ g, int64_t n, int kind,
+// Exact widening of one element (every fp32, bf16 and fp16 value is an fp64 value).
+__device__ __forceinline__ double wide(const float* p, int64_t i) { return double(p[i]); }
+__device__ __forceinline__ double wide(const __nv_bfloat16* p, int64_t i) { return double(__bfloat162float(p[i])); }
+__device__ __forceinline__ double wide(const __half* p, int64_t i) { return double(__half2float(p[i])); }
+
+// Calls f(T*) with ``t``'s data as its element type (float, bfloat16 or half).
+template <typename F>
+void with_elements(const at::Tensor& t, F&& f) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      f(t.data_ptr<float>());
+      break;
+    case at::kBFloat16:
+      f(reinterpret_cast<const __nv_bfloat16*>(t.data_ptr()));
+      break;
+    default:
+      f(reinterpret_cast<const __half*>(t.data_ptr()));
+      break;
+  }
+}
+
+// Two inputs of one element type: the same dtype as they are, else both widened to fp32 (exact).
+std::pair<at::Tensor, at::Tensor> same_type(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() == b.scalar_type()) return {a.contiguous(), b.contiguous()};
+  return {a.to(at::kFloat).contiguous(), b.to(at::kFloat).contiguous()};
+}
+
+template <typename T>
+__global__ void act_kernel(const T* __restrict__ x, const T* __restrict__ g, int64_t n, int kind,
                            int fmt, void* __restrict__ out) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  const double v = g ? g[i] * act_derivative(x[i], kind) : act_forward(x[i], kind);
+  const double xi = wide(x, i);
+  const double v = g ? wide(g, i) * act_derivative(xi, kind) : act_forward(xi, kind);
   store_fmt(out, i, round_double_fmt(v, fmt), fmt);
 }
 
@@ -31,19 +67,22 @@ at::Tensor act_launch(const at::Tensor& x, const at::Tensor* grad, int64_t kind)
   check_act_kind(kind);
   c10::cuda::CUDAGuard guard(x.device());
   const int fmt = out_format(x.scalar_type());
-  const at::Tensor xd = x.contiguous().to(at::kDouble);  // exact widening
-  at::Tensor gd;
+  at::Tensor xc = x.contiguous(), gc;
   if (grad) {
     check_float_input(*grad, "grad");
     TORCH_CHECK(grad->sizes() == x.sizes(), "grad: expected shape ", x.sizes(), " like x, got ", grad->sizes());
     TORCH_CHECK(grad->device() == x.device(), "grad: expected device ", x.device(), ", got ", grad->device());
-    gd = grad->contiguous().to(at::kDouble);
+    std::tie(xc, gc) = same_type(x, *grad);
   }
   at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  const int64_t n = xd.numel();
+  const int64_t n = xc.numel();
   if (n) {
-    act_kernel<<<blocks_for(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        xd.data_ptr<double>(), grad ? gd.data_ptr<double>() : nullptr, n, int(kind), fmt, out.data_ptr());
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    with_elements(xc, [&](auto xp) {
+      using T = std::remove_cv_t<std::remove_pointer_t<decltype(xp)>>;
+      const T* gp = grad ? reinterpret_cast<const T*>(gc.data_ptr()) : nullptr;
+      act_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(xp, gp, n, int(kind), fmt, out.data_ptr());
+    });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return out;
@@ -56,26 +95,29 @@ at::Tensor act_backward_cuda(const at::Tensor& grad, const at::Tensor& x, int64_
 }
 
 // Sum over `len` elements starting at `base` with stride `step` (b == nullptr: ones).
-__device__ void dot_strided(const double* a, const double* b, int64_t base, int64_t step, int64_t len,
+template <typename T>
+__device__ void dot_strided(const T* a, const T* b, int64_t base, int64_t step, int64_t len,
                             int64_t* __restrict__ out) {
   int64_t acc[LDET_WORDS];
   zero(acc);
   for (int64_t j = 0; j < len; ++j) {
     const int64_t k = base + j * step;
-    add_value(acc, b ? a[k] * b[k] : a[k]);  // exact product of two narrow floats
+    add_value(acc, b ? wide(a, k) * wide(b, k) : wide(a, k));  // exact product of two narrow floats
     if (((j + 1) & (LDET_NORM_INTERVAL - 1)) == 0) normalize(acc);
   }
   normalize(acc);
   for (int w = 0; w < LDET_WORDS; ++w) out[w] = acc[w];
 }
 
-__global__ void dot_rows_kernel(const double* a, const double* b, int64_t rows, int64_t cols,
+template <typename T>
+__global__ void dot_rows_kernel(const T* a, const T* b, int64_t rows, int64_t cols,
                                 int64_t* __restrict__ out) {
   const int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r < rows) dot_strided(a, b, r * cols, 1, cols, out + r * LDET_WORDS);
 }
 
-__global__ void dot_cols_kernel(const double* a, const double* b, int64_t rows, int64_t cols,
+template <typename T>
+__global__ void dot_cols_kernel(const T* a, const T* b, int64_t rows, int64_t cols,
                                 int64_t* __restrict__ out) {
   const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c < cols) dot_strided(a, b, c, cols, rows, out + c * LDET_WORDS);
@@ -84,22 +126,22 @@ __global__ void dot_cols_kernel(const double* a, const double* b, int64_t rows, 
 at::Tensor dot_launch(const at::Tensor& a, const c10::optional<at::Tensor>& b, bool by_rows) {
   check_dot_args(a, b);
   c10::cuda::CUDAGuard guard(a.device());
-  const at::Tensor ad = a.contiguous().to(at::kDouble);
-  at::Tensor bd;
-  if (b.has_value()) bd = b->contiguous().to(at::kDouble);
+  at::Tensor ac = a.contiguous(), bc;
+  if (b.has_value()) std::tie(ac, bc) = same_type(a, *b);
   const int64_t rows = a.size(0), cols = a.size(1);
   const int64_t n = by_rows ? rows : cols;
   at::Tensor out = at::empty({n, LDET_WORDS}, a.options().dtype(at::kLong));
   if (n) {
-    const double* pb = b.has_value() ? bd.data_ptr<double>() : nullptr;
     auto stream = c10::cuda::getCurrentCUDAStream();
-    if (by_rows) {
-      dot_rows_kernel<<<blocks_for(n), kThreads, 0, stream>>>(ad.data_ptr<double>(), pb, rows, cols,
-                                                              out.data_ptr<int64_t>());
-    } else {
-      dot_cols_kernel<<<blocks_for(n), kThreads, 0, stream>>>(ad.data_ptr<double>(), pb, rows, cols,
-                                                              out.data_ptr<int64_t>());
-    }
+    with_elements(ac, [&](auto ap) {
+      using T = std::remove_cv_t<std::remove_pointer_t<decltype(ap)>>;
+      const T* bp = b.has_value() ? reinterpret_cast<const T*>(bc.data_ptr()) : nullptr;
+      if (by_rows) {
+        dot_rows_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(ap, bp, rows, cols, out.data_ptr<int64_t>());
+      } else {
+        dot_cols_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(ap, bp, rows, cols, out.data_ptr<int64_t>());
+      }
+    });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return out;
