@@ -9,7 +9,7 @@ from ._swap import swap_class
 
 from ..ops import det_finalize, det_normalize, to_digits
 from ..ops.trust import trusted_fn
-from .grad_digits import add_grad_digits, digit_mode
+from .grad_digits import contribute_grad, digit_mode, note_forward_use
 
 __all__ = ["DetEmbedding"]
 
@@ -59,20 +59,27 @@ class _DetEmbeddingFn(torch.autograd.Function):
             gy2 = gy2.float()
         out_dtype = weight.dtype if weight.dtype in _FLOATS else torch.float32
         pad = module.padding_idx
-        if digit_mode(module):
+
+        def rounded() -> torch.Tensor:
+            # Only the rows that occur: a (V, D, 19) temporary would be 152x the weight's size.
+            uniq, inv = torch.unique(idx1, return_inverse=True)
+            rows = det_finalize(_scatter_digits(inv, gy2, uniq.shape[0]), out_dtype)
+            gw = torch.zeros(weight.shape, dtype=out_dtype, device=weight.device)
+            gw[uniq] = rows
+            if pad is not None:
+                gw[pad] = 0  # PyTorch semantics: the padding row gets no gradient
+            return gw
+
+        def digits() -> torch.Tensor:
             acc = _scatter_digits(idx1, gy2, weight.shape[0])
             if pad is not None:
-                acc[pad] = 0  # PyTorch semantics: the padding row gets no gradient
-            add_grad_digits(weight, acc, take=True)
+                acc[pad] = 0
+            return acc
+
+        if digit_mode(module):
+            contribute_grad(module, weight, digits, rounded)
             return None, None, None
-        # Only the rows that occur: a (V, D, 19) temporary would be 152x the weight's size.
-        uniq, inv = torch.unique(idx1, return_inverse=True)
-        rows = det_finalize(_scatter_digits(inv, gy2, uniq.shape[0]), out_dtype)
-        gw = torch.zeros(weight.shape, dtype=out_dtype, device=weight.device)
-        gw[uniq] = rows
-        if pad is not None:
-            gw[pad] = 0
-        return None, gw, None
+        return None, rounded(), None
 
 
 class DetEmbedding(nn.Embedding):
@@ -105,6 +112,7 @@ class DetEmbedding(nn.Embedding):
         _check_options(self)
         if input.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"input: expected int64 or int32 indices, got {input.dtype}")
+        note_forward_use(self, self.weight)
         return _DetEmbeddingFn.apply(input, self.weight, self)
 
     def extra_repr(self) -> str:

@@ -12,10 +12,21 @@ as :func:`lightning_det.ops.det_all_reduce`, which rounds once into ``.grad``.
         loss_fn(model(micro_batch)).backward()      # digits accumulate, .grad untouched
     finalize_grad_digits(model.parameters(), reduce=det_all_reduce)
     optimizer.step()
+
+Eager rounding (``with eager_rounding(model):`` around the step's one backward, world size 1):
+the digits of a parameter with exactly one contribution in that backward would be rounded
+once anyway, so its module rounds it there and then (the ordinary exact GEMM with a rounded
+output) and never allocates its 152 bytes per element of digits. "Exactly one" is proved per
+parameter: each Det module's forward counts the uses of its parameters that can reach a
+backward (grad enabled, ``requires_grad``), each backward contribution takes one off, and a
+contribution rounds eagerly only when it is the single counted use and no digits are pending.
+Anything uncounted that arrives later (a second backward through a retained graph, a
+checkpointed segment recomputed after the rounding) raises instead of rounding twice.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -23,10 +34,16 @@ from torch import nn
 from ..ops import LongAcc, det_combine, det_finalize, det_normalize
 from ..ops.longacc import check_acc
 
-__all__ = ["DIGITS_ATTR", "set_grad_digits", "add_grad_digits", "grad_digits", "finalize_grad_digits"]
+__all__ = [
+    "DIGITS_ATTR", "ROUNDED_ATTR", "set_grad_digits", "add_grad_digits", "grad_digits", "finalize_grad_digits",
+    "eager_rounding", "note_forward_use", "contribute_grad", "take_rounded_grad", "clear_forward_uses",
+]
 
 DIGITS_ATTR = "ldet_grad_digits"
+ROUNDED_ATTR = "ldet_grad_rounded"  # an eagerly rounded gradient waiting for the step's owner
 _FLAG = "ldet_digit_mode"
+_EAGER = "ldet_eager_rounding"
+_USES = "ldet_forward_uses"  # counted forward uses whose backward contribution has not come yet
 _OWNED = "ldet_grad_digits_owned"  # the pending digits were made or handed over here: writable
 
 
@@ -39,6 +56,84 @@ def set_grad_digits(module: nn.Module, enabled: bool = True) -> None:
 
 def digit_mode(module: nn.Module) -> bool:
     return bool(getattr(module, _FLAG, False))
+
+
+@contextmanager
+def eager_rounding(module: nn.Module, enabled: bool = True) -> Iterator[None]:
+    """Lets the digit-mode modules in ``module``'s tree round single-contribution gradients at once.
+
+    Must enclose the forward and the backward of the step's last (or only) micro-batch, and only
+    where the pending digits would then be rounded with no reduction and no scale: one process
+    (world size 1). Entering forgets earlier forward-use counts (their backward is done). The
+    rounded gradients wait in the parameters (``take_rounded_grad``) for the step's owner.
+    """
+    mods = [m for m in module.modules() if getattr(m, "supports_grad_digits", False)] if enabled else []
+    if enabled:
+        clear_forward_uses(module.parameters())
+    for m in mods:
+        setattr(m, _EAGER, True)
+    try:
+        yield
+    finally:
+        for m in mods:
+            setattr(m, _EAGER, False)
+
+
+def note_forward_use(module: nn.Module, *params: Optional[torch.Tensor]) -> None:
+    """Called by a Det module's forward in digit mode: each param expects one more backward
+    contribution. Counted in any grad mode: a forward under no_grad may be recomputed with grad
+    later (reentrant activation checkpointing), and over-counting (a forward whose output never
+    reaches a loss) only keeps that parameter on the digit path. Under-counting is what would
+    be unsafe, and a contribution arriving after an eager rounding raises."""
+    if not digit_mode(module):
+        return
+    for p in params:
+        if p is not None and p.requires_grad:
+            setattr(p, _USES, getattr(p, _USES, 0) + 1)
+
+
+def clear_forward_uses(params: Iterable[torch.Tensor]) -> None:
+    """Forgets the counts (after the step's gradients are rounded: leftovers were over-counts)."""
+    for p in params:
+        if hasattr(p, _USES):
+            delattr(p, _USES)
+
+
+def contribute_grad(
+    module: nn.Module, param: torch.Tensor, digits: Callable[[], LongAcc], rounded: Callable[[], torch.Tensor]
+) -> None:
+    """A Det module's backward hands over one exact contribution to ``param``'s gradient.
+
+    Args:
+        module: the module whose backward runs (its eager flag decides).
+        param: the parameter receiving the contribution.
+        digits: makes the contribution as a canonical LongAcc ``(*param.shape, 19)``, handed over.
+        rounded: makes the same exact sum rounded once to the param's dtype, shape ``param.shape``.
+            Called instead of ``digits`` only when this is provably the parameter's one
+            contribution of a backward under :func:`eager_rounding`.
+    """
+    uses = getattr(param, _USES, 0)
+    if uses > 0:
+        setattr(param, _USES, uses - 1)
+    if hasattr(param, ROUNDED_ATTR):
+        raise RuntimeError(
+            f"param: a gradient contribution (shape {tuple(param.shape)}) arrived after this parameter's "
+            "gradient was already rounded as its only one (eager rounding); a second backward through a "
+            "retained graph or a recomputed checkpoint segment does that. Construct the strategy with "
+            "eager_rounding=False to keep every gradient as digits until the step."
+        )
+    if getattr(module, _EAGER, False) and uses == 1 and getattr(param, DIGITS_ATTR, None) is None:
+        setattr(param, ROUNDED_ATTR, rounded())
+        return
+    add_grad_digits(param, digits(), take=True)
+
+
+def take_rounded_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """Removes and returns ``param``'s eagerly rounded gradient, or None."""
+    g = getattr(param, ROUNDED_ATTR, None)
+    if g is not None:
+        delattr(param, ROUNDED_ATTR)
+    return g
 
 
 def add_grad_digits(param: torch.Tensor, acc: LongAcc, *, take: bool = False) -> None:
@@ -93,9 +188,20 @@ def finalize_grad_digits(
         The number of parameters finalized. A param that already had a ``.grad`` from a
         non-digit path gets an error: mixing the two would round twice.
     """
+    params = list(params)
     n = 0
     for p in params:
         acc = getattr(p, DIGITS_ATTR, None)
+        eager = getattr(p, ROUNDED_ATTR, None)
+        if eager is not None:
+            if reduce is not None or p.grad is not None:
+                raise RuntimeError(
+                    "param: holds an eagerly rounded gradient, which cannot take a reduction or be "
+                    "added to an existing .grad; use eager_rounding only in one process, once per step"
+                )
+            p.grad = take_rounded_grad(p)
+            n += 1
+            continue
         if acc is None:
             continue
         if p.grad is not None:
@@ -108,4 +214,5 @@ def finalize_grad_digits(
         p.grad = det_finalize(acc, p.dtype if p.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32)
         delattr(p, DIGITS_ATTR)
         n += 1
+    clear_forward_uses(params)
     return n

@@ -8,7 +8,7 @@ from ._swap import swap_class
 
 from ..ops import det_gemm, det_gemm_partial
 from ..ops.trust import trusted
-from .grad_digits import add_grad_digits, digit_mode
+from .grad_digits import contribute_grad, digit_mode, note_forward_use
 
 __all__ = ["DetLinear"]
 
@@ -55,10 +55,14 @@ class _DetLinearFn(torch.autograd.Function):
         ones = g2.new_ones((1, g2.shape[0])) if want_b else None
         if digit_mode(ctx.module):
             # unrounded sums over every batch row, left for the owner of the step to round once
+            # (or, when this is provably the only contribution, rounded here: grad_digits)
+            module = ctx.module
             if want_w:
-                add_grad_digits(ctx.module.weight, det_gemm_partial(g2t, x2.t()), take=True)
+                contribute_grad(module, module.weight, lambda: det_gemm_partial(g2t, x2.t()),
+                                lambda: det_gemm(g2t, x2.t(), out_dtype=weight.dtype))
             if want_b:
-                add_grad_digits(ctx.module.bias, det_gemm_partial(g2t, ones).squeeze(-2), take=True)
+                contribute_grad(module, module.bias, lambda: det_gemm_partial(g2t, ones).squeeze(-2),
+                                lambda: det_gemm(g2t, ones, out_dtype=module.bias.dtype).reshape(-1))
             return gx, None, None, None
         if want_w:
             gw = det_gemm(g2t, x2.t(), out_dtype=weight.dtype)
@@ -93,6 +97,7 @@ class DetLinear(nn.Linear):
             raise ValueError(
                 f"input: expected last dimension in_features={self.in_features}, got shape {tuple(input.shape)}"
             )
+        note_forward_use(self, self.weight, self.bias)
         return _DetLinearFn.apply(input, self.weight, self.bias, self)
 
     def extra_repr(self) -> str:

@@ -31,7 +31,7 @@ from ._swap import swap_class
 from ..ops import det_finalize
 from ..ops.trust import trusted_fn
 from .functional import det_col_sums, det_row_sums
-from .grad_digits import add_grad_digits, digit_mode
+from .grad_digits import contribute_grad, digit_mode, note_forward_use
 
 __all__ = ["DetLayerNorm", "DetRMSNorm"]
 
@@ -51,10 +51,11 @@ def _rstd(var: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _grad_or_digits(module, param, acc, digits: bool):
+    dtype = param.dtype if param.dtype in _FLOATS else torch.float32
     if digits:
-        add_grad_digits(param, acc, take=True)
+        contribute_grad(module, param, lambda: acc, lambda: det_finalize(acc, dtype).reshape(param.shape))
         return None
-    return det_finalize(acc, param.dtype if param.dtype in _FLOATS else torch.float32)
+    return det_finalize(acc, dtype)
 
 
 class _DetNormFn(torch.autograd.Function):
@@ -128,6 +129,7 @@ class DetLayerNorm(nn.LayerNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         _check_input(self, input)
         width = math.prod(self.normalized_shape)
+        note_forward_use(self, self.weight, self.bias)
         return _DetNormFn.apply(input, self.weight, self.bias, self, width, float(self.eps), False)
 
     def extra_repr(self) -> str:
@@ -154,6 +156,7 @@ class DetRMSNorm(nn.RMSNorm):
         _check_input(self, input)
         width = math.prod(self.normalized_shape)
         eps = torch.finfo(input.dtype).eps if self.eps is None else float(self.eps)
+        note_forward_use(self, self.weight)
         return _DetNormFn.apply(input, self.weight, None, self, width, eps, True)
 
     def extra_repr(self) -> str:

@@ -6,7 +6,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from ..nn.grad_digits import DIGITS_ATTR, grad_digits
+from ..nn.grad_digits import DIGITS_ATTR, ROUNDED_ATTR, clear_forward_uses, grad_digits, take_rounded_grad
 from ..ops import det_finalize, to_digits
 from ..ops.distributed import det_all_reduce_windowed
 from ..profile import WORDS
@@ -58,20 +58,41 @@ def sync_gradients(
     process the reduction is the identity and each parameter's digits are rounded on their own.
     Either way a parameter's digits are released as soon as its ``.grad`` is written, so beside
     the pending digits (152 bytes per element) at most about two buckets' worth is allocated,
-    not two more copies of all of them.
+    not two more copies of all of them. A gradient already rounded in the backward
+    (``eager_rounding``, single process only) is moved into ``.grad`` as it is ("exact" too).
+    A parameter with pending digits or an eager gradient and also an ordinary nonzero ``.grad``
+    raises: the two cannot be combined with one rounding (an all-zero ``.grad`` is dropped).
 
     Returns:
-        {"exact": n, "rounded_only": n, "elements": n, "bytes": n, "fallback_elements": n} for
-        logging and benchmarks; "bytes" is what the all-reduces moved together (the window
+        {"exact": n, "rounded_only": n, "elements": n, "bytes": n, "fallback_elements": n, "eager": n}
+        for logging and benchmarks ("eager": how many of the exact ones were rounded in the backward); "bytes" is what the all-reduces moved together (the window
         agreement and the packed SUM, 0 in a single process), "fallback_elements" how many
         gradient elements went as full digits (NaN/inf or windows too wide to pack).
     """
     if bucket_elements < 1:
         raise ValueError(f"bucket_elements: expected a positive element count, got {bucket_elements}")
     params = [p for p in params if p.requires_grad]
-    stats = {"exact": 0, "rounded_only": 0, "elements": 0, "bytes": 0, "fallback_elements": 0}
+    stats = {"exact": 0, "rounded_only": 0, "elements": 0, "bytes": 0, "fallback_elements": 0, "eager": 0}
     if not params:
         return stats
+
+    multi = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    for p in params:
+        has_digits = grad_digits(p) is not None
+        has_eager = getattr(p, ROUNDED_ATTR, None) is not None
+        if (has_digits or has_eager) and p.grad is not None and bool(p.grad.any()):
+            raise RuntimeError(
+                f"params: a parameter of shape {tuple(p.shape)} has exact gradient "
+                f"{'digits' if has_digits else '(eagerly rounded)'} from det modules and also an ordinary "
+                "rounded .grad from another op; adding them would round twice. Run every use of the "
+                "parameter through det modules (det_transform) and zero grads with set_to_none=True."
+            )
+        # (an all-zero .grad, zeroed with set_to_none=False, adds nothing and is overwritten below)
+        if has_eager and (multi or scale_exp != 0):
+            raise RuntimeError(
+                f"params: a parameter of shape {tuple(p.shape)} was rounded eagerly in its backward, but this "
+                "reduction has several ranks or a scale; eager_rounding is only for one process"
+            )
 
     def digits_of(p: torch.Tensor) -> torch.Tensor:
         acc = grad_digits(p)
@@ -91,10 +112,17 @@ def sync_gradients(
         if hasattr(p, DIGITS_ATTR):
             delattr(p, DIGITS_ATTR)
 
-    multi = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     if not multi:
         for p in params:
-            round_into_grad(p, digits_of(p))
+            eager = take_rounded_grad(p)
+            if eager is not None:
+                stats["exact"] += 1
+                stats["eager"] += 1
+                stats["elements"] += p.numel()
+                p.grad = eager
+            else:
+                round_into_grad(p, digits_of(p))
+        clear_forward_uses(params)
         return stats
     for bucket in _buckets(params, bucket_elements):
         parts = [digits_of(p).reshape(-1, WORDS) for p in bucket]
@@ -109,6 +137,7 @@ def sync_gradients(
         for p in bucket:
             round_into_grad(p, flat[offset : offset + p.numel()])
             offset += p.numel()
+    clear_forward_uses(params)
     return stats
 
 

@@ -32,7 +32,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from ..nn.attention import det_function_mode
-from ..nn.grad_digits import set_grad_digits
+from ..nn.grad_digits import eager_rounding, set_grad_digits
 from ..optim.clip import clip_grad_norm_exact_
 from ..parallel.audit import OpAudit
 from ..parallel.env import apply_strict_environment
@@ -54,17 +54,27 @@ class DeterministicStrategy(DDPStrategy):
             and labels the run unverified (``self.det_verified = False``).
         seed: seed of the global sample order (DeterministicSampler), default 0.
         audit: audit the ops of the first optimizer step (default True).
+        eager_rounding: at world size 1, let each parameter whose gradient provably has one
+            contribution in the step's last backward (no earlier micro-batch, one counted use)
+            be rounded right there instead of holding 152 bytes per element of digits until
+            the step (default True; the same bytes either way, see
+            :mod:`lightning_det.nn.grad_digits`). Turn it off for a second backward through a
+            retained graph, which would otherwise raise.
     """
 
     strategy_name = "det_ddp"
 
-    def __init__(self, *args: Any, strict: bool = True, seed: int = 0, audit: bool = True, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, strict: bool = True, seed: int = 0, audit: bool = True, eager_rounding: bool = True,
+        **kwargs: Any,
+    ) -> None:
         # Before anything touches CUDA or NCCL (the Trainer builds strategies first).
         self.det_environment = apply_strict_environment()
         super().__init__(*args, **kwargs)
         self.strict = strict
         self.seed = seed
         self.audit = audit
+        self.eager_rounding = bool(eager_rounding)
         self.det_verified: Optional[bool] = None
         self.det_unverified_reasons: list = []
         self.det_last_sync: dict = {}
@@ -139,16 +149,21 @@ class DeterministicStrategy(DDPStrategy):
 
     # ---- the step ------------------------------------------------------------------------
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        # The closure runs the step's last (or only) micro-batch; with one process nothing is
+        # reduced after it, so single-contribution gradients may be rounded in the backward.
+        eager = self.eager_rounding and self.world_size == 1
+
         def closure_then_sync():
-            if self.audit and not self._audited:
-                with OpAudit(self.lightning_module) as audit:
+            with eager_rounding(self.lightning_module, enabled=eager):
+                if self.audit and not self._audited:
+                    with OpAudit(self.lightning_module) as audit:
+                        result = closure()
+                    self._audited = True
+                    ok = audit.check(self.strict)
+                    if not ok:
+                        self.det_unverified_reasons.append("ops outside the verified set (see warning)")
+                else:
                     result = closure()
-                self._audited = True
-                ok = audit.check(self.strict)
-                if not ok:
-                    self.det_unverified_reasons.append("ops outside the verified set (see warning)")
-            else:
-                result = closure()
             self.sync_gradients(optimizer)
             return result
 
