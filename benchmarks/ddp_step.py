@@ -38,7 +38,15 @@ def child(args):
     from lightning_det.nn import det_transform
 
     torch.set_num_threads(1 if args.accelerator == "cpu" else 4)
-    det = args.strategy == "det_ddp"
+    det = args.strategy.startswith("det_ddp")
+    strategy = args.strategy
+    if args.strategy == "det_ddp_no_eager":  # the same strategy holding every gradient as digits
+        from lightning_det.strategy import DeterministicStrategy
+
+        strategy = DeterministicStrategy(eager_rounding=False)
+    breakdown = args.breakdown and args.accelerator == "gpu"
+    if breakdown:  # before the model exists, so the replayed total matches the allocator's
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
 
     class Net(L.LightningModule):
         def __init__(self):
@@ -78,7 +86,7 @@ def child(args):
     ds = torch.utils.data.TensorDataset(x, (x * 7 + 3) % 512)
     dl = torch.utils.data.DataLoader(ds, batch_size=args.batch // args.devices, shuffle=True)
     model = Net()
-    trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=args.strategy,
+    trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy,
                         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[Timer()])
     if args.accelerator == "gpu":
@@ -93,12 +101,23 @@ def child(args):
         sync = getattr(trainer.strategy, "det_last_sync", None) or {}
         params = sum(p.numel() for p in model.parameters())
         bytes_per_elem = (sync["bytes"] / sync["elements"]) if sync.get("elements") else 4.0
-        Path(args.out).write_text(json.dumps({
+        row = {
             "strategy": args.strategy, "devices": args.devices, "params": params,
             "step_ms": 1e3 * statistics.median(warm), "peak_bytes": peak,
             "allreduce_bytes_per_grad_element": bytes_per_elem,
             "allreduce_bytes_per_step": sync.get("bytes", 4 * params),
-        }))
+        }
+        if det:
+            row["eager_rounded_params"] = sync.get("eager", 0)
+        if breakdown:
+            from memory_peak import peak_breakdown
+
+            try:
+                row["peak_breakdown"] = peak_breakdown(torch.cuda.memory._snapshot())
+            except Exception as e:  # the numbers above stand without it
+                row["peak_breakdown"] = f"failed: {e!r}"
+            torch.cuda.memory._record_memory_history(enabled=None)
+        Path(args.out).write_text(json.dumps(row))
 
 
 def main(argv=None):
@@ -110,6 +129,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--child", action="store_true")
     p.add_argument("--strategy", default="det_ddp")
+    p.add_argument("--breakdown", action="store_true",
+                   help="CUDA: record allocations and report what is alive at each run's peak (slower steps)")
     p.add_argument("--out", default="", help="(internal) the child's row file")
     p.add_argument("--results", default=None, help="results path (default: benchmarks/results/<device>-ddp_step.json)")
     args = p.parse_args(argv)
@@ -118,18 +139,24 @@ def main(argv=None):
     from _common import write
 
     rows = []
-    for strategy in ("det_ddp", "ddp"):
+    # det_ddp_no_eager: the same run holding all gradients as digits until the step (one process
+    # only: with several, nothing is rounded in the backward anyway)
+    strategies = ("det_ddp", "det_ddp_no_eager", "ddp") if args.devices == 1 else ("det_ddp", "ddp")
+    for strategy in strategies:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             out = f.name
         cmd = [sys.executable, __file__, "--child", "--strategy", strategy, "--out", out,
                "--accelerator", args.accelerator, "--devices", str(args.devices), "--width", str(args.width),
-               "--batch", str(args.batch), "--steps", str(args.steps)]
+               "--batch", str(args.batch), "--steps", str(args.steps)] + (["--breakdown"] if args.breakdown else [])
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
         subprocess.run(cmd, check=True, env=env, timeout=1800)
         rows.append(json.loads(Path(out).read_text()))
         print(json.dumps(rows[-1]), flush=True)
-    det, ddp = rows
+    det, ddp = rows[0], rows[-1]
     summary = {"step_time_ratio": det["step_ms"] / ddp["step_ms"], "peak_memory_ratio": det["peak_bytes"] / ddp["peak_bytes"]}
+    if len(rows) == 3:
+        summary["no_eager_step_time_ratio"] = rows[1]["step_ms"] / ddp["step_ms"]
+        summary["no_eager_peak_memory_ratio"] = rows[1]["peak_bytes"] / ddp["peak_bytes"]
     print(f"det_ddp / ddp: step time {summary['step_time_ratio']:.2f}x, peak memory {summary['peak_memory_ratio']:.2f}x, "
           f"all-reduce {det['allreduce_bytes_per_grad_element']:.1f} vs {ddp['allreduce_bytes_per_grad_element']:.1f} "
           "bytes per gradient element")
