@@ -70,10 +70,28 @@ def child(args):
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     class Timer(L.Callback):
+        prof = None
+        tables: dict = {}
+
         def on_train_batch_start(self, trainer, *a):
+            if args.profile and trainer.global_step == 4 and trainer.global_rank == 0:
+                self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+                    [torch.profiler.ProfilerActivity.CUDA] if args.accelerator == "gpu" else []))
+                self.prof.__enter__()
             if torch.cuda.is_available() and args.accelerator == "gpu":
                 torch.cuda.synchronize()
             self.t0 = time.perf_counter()
+
+        def on_train_end(self, trainer, pl_module):
+            if self.prof is not None:
+                self.prof.__exit__(None, None, None)
+                avg = self.prof.key_averages()
+                keys = [("cpu", "self_cpu_time_total")]
+                if args.accelerator == "gpu":  # the key's name changed across torch versions
+                    keys.insert(0, ("device", "self_device_time_total" if hasattr(avg[0], "self_device_time_total")
+                                    else "self_cuda_time_total"))
+                for what, key in keys:
+                    self.tables[what] = avg.table(sort_by=key, row_limit=30, max_name_column_width=60).splitlines()
 
         def on_train_batch_end(self, trainer, pl_module, *a):
             if torch.cuda.is_available() and args.accelerator == "gpu":
@@ -86,9 +104,10 @@ def child(args):
     ds = torch.utils.data.TensorDataset(x, (x * 7 + 3) % 512)
     dl = torch.utils.data.DataLoader(ds, batch_size=args.batch // args.devices, shuffle=True)
     model = Net()
+    timer = Timer()
     trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy,
                         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[Timer()])
+                        enable_model_summary=False, callbacks=[timer])
     if args.accelerator == "gpu":
         torch.cuda.reset_peak_memory_stats()
     trainer.fit(model, dl)
@@ -109,6 +128,9 @@ def child(args):
         }
         if det:
             row["eager_rounded_params"] = sync.get("eager", 0)
+        if args.profile:
+            row["profile_steps"] = f"steps 5..{args.steps} (torch.profiler, slower than the timed steps)"
+            row["profile"] = timer.tables
         if breakdown:
             from memory_peak import peak_breakdown
 
@@ -129,6 +151,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--child", action="store_true")
     p.add_argument("--strategy", default="det_ddp")
+    p.add_argument("--profile", action="store_true", help="torch.profiler table of the steps after the 4th")
     p.add_argument("--breakdown", action="store_true",
                    help="CUDA: record allocations and report what is alive at each run's peak (slower steps)")
     p.add_argument("--out", default="", help="(internal) the child's row file")
@@ -147,7 +170,7 @@ def main(argv=None):
             out = f.name
         cmd = [sys.executable, __file__, "--child", "--strategy", strategy, "--out", out,
                "--accelerator", args.accelerator, "--devices", str(args.devices), "--width", str(args.width),
-               "--batch", str(args.batch), "--steps", str(args.steps)] + (["--breakdown"] if args.breakdown else [])
+               "--batch", str(args.batch), "--steps", str(args.steps)] + (["--breakdown"] if args.breakdown else []) + (["--profile"] if args.profile else [])
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
         subprocess.run(cmd, check=True, env=env, timeout=1800)
         rows.append(json.loads(Path(out).read_text()))

@@ -10,11 +10,16 @@ from __future__ import annotations
 from collections import defaultdict
 
 
+# Frames that only pass an op through (the op audit's dispatch mode, function modes): the line
+# that asked for the memory is further out.
+_PASS_THROUGH = ("__torch_dispatch__", "__torch_function__")
+
+
 def _site(frames) -> str:
     for want in ("lightning_det/", "benchmarks/"):
         for f in frames or []:
             name = f.get("filename", "")
-            if want in name:
+            if want in name and f.get("name") not in _PASS_THROUGH:
                 return f"{name[name.index(want):]}:{f.get('line')} {f.get('name')}"
     f = (frames or [{}])[0]
     return f"{f.get('filename', '?')}:{f.get('line', '?')} {f.get('name', '?')}"
