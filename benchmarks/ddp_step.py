@@ -70,8 +70,9 @@ def child(args):
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     class Timer(L.Callback):
-        prof = None
-        tables: dict = {}
+        def __init__(self):
+            self.prof = None
+            self.tables: dict = {}
 
         def on_train_batch_start(self, trainer, *a):
             if args.profile and trainer.global_step == 4 and trainer.global_rank == 0:
@@ -129,7 +130,8 @@ def child(args):
         if det:
             row["eager_rounded_params"] = sync.get("eager", 0)
         if args.profile:
-            row["profile_steps"] = f"steps 5..{args.steps} (torch.profiler, slower than the timed steps)"
+            row["profile_steps"] = (f"steps 5..{args.steps} ran under torch.profiler: this run's step_ms "
+                                    "includes its overhead")
             row["profile"] = timer.tables
         if breakdown:
             from memory_peak import peak_breakdown
@@ -170,7 +172,8 @@ def main(argv=None):
             out = f.name
         cmd = [sys.executable, __file__, "--child", "--strategy", strategy, "--out", out,
                "--accelerator", args.accelerator, "--devices", str(args.devices), "--width", str(args.width),
-               "--batch", str(args.batch), "--steps", str(args.steps)] + (["--breakdown"] if args.breakdown else []) + (["--profile"] if args.profile else [])
+               "--batch", str(args.batch), "--steps", str(args.steps)]
+        cmd += (["--breakdown"] if args.breakdown else []) + (["--profile"] if args.profile else [])
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
         subprocess.run(cmd, check=True, env=env, timeout=1800)
         rows.append(json.loads(Path(out).read_text()))

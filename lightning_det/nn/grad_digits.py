@@ -17,9 +17,10 @@ Eager rounding (``with eager_rounding(model):`` around the step's one backward, 
 the digits of a parameter with exactly one contribution in that backward would be rounded
 once anyway, so its module rounds it there and then (the ordinary exact GEMM with a rounded
 output) and never allocates its 152 bytes per element of digits. "Exactly one" is proved per
-parameter: each Det module's forward counts the uses of its parameters that can reach a
-backward (grad enabled, ``requires_grad``), each backward contribution takes one off, and a
-contribution rounds eagerly only when it is the single counted use and no digits are pending.
+parameter: each Det module's forward counts the uses of its parameters that require grad (in
+any grad mode, so a forward that a reentrant checkpoint will recompute counts too), each
+backward contribution takes one off, and a contribution rounds eagerly only when it is the
+single counted use and no digits are pending.
 Anything uncounted that arrives later (a second backward through a retained graph, a
 checkpointed segment recomputed after the rounding) raises instead of rounding twice.
 """

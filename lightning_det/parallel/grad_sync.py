@@ -65,9 +65,10 @@ def sync_gradients(
 
     Returns:
         {"exact": n, "rounded_only": n, "elements": n, "bytes": n, "fallback_elements": n, "eager": n}
-        for logging and benchmarks ("eager": how many of the exact ones were rounded in the backward); "bytes" is what the all-reduces moved together (the window
+        for logging and benchmarks; "bytes" is what the all-reduces moved together (the window
         agreement and the packed SUM, 0 in a single process), "fallback_elements" how many
-        gradient elements went as full digits (NaN/inf or windows too wide to pack).
+        gradient elements went as full digits (NaN/inf or windows too wide to pack), "eager"
+        how many of the exact ones were already rounded in the backward.
     """
     if bucket_elements < 1:
         raise ValueError(f"bucket_elements: expected a positive element count, got {bucket_elements}")
