@@ -8,7 +8,9 @@ Writes benchmarks/results/<device>-gemm.json (or --out) with rows of
 {op, dtype, data, M, N, K, ours_tflops, baseline_tflops, ratio, baseline, fp32_mm_tflops, source,
 x_log2_span, w_log2_span}.
 The baseline is torch.mm in the same dtype (fp32 with TF32 off); fp32_mm_tflops is torch.mm in
-fp32 on the same shape, the yardstick of the performance issue.
+fp32 on the same shape, the yardstick of the performance issue. ours_* is det_gemm as users get it
+(route "auto"); kernel_* and slices_* time each exact route on its own (lightning_det.ops.gemm_path),
+and routes_same_bytes checks that all three returned the same bits on these operands.
 
 Data kinds (--data), each an (M, K) x and an (N, K) w for det_gemm(x, w) = x @ w.T:
   normal  torch.randn, seeds 1 and 2 (fp32 and bf16).
@@ -41,7 +43,7 @@ from _common import time_fn, write  # noqa: E402
 
 import _real_data  # noqa: E402
 
-from lightning_det.ops import det_gemm  # noqa: E402
+from lightning_det.ops import det_gemm, gemm_path  # noqa: E402
 
 
 DTYPES = {"normal": (torch.float32, torch.bfloat16), "wide": (torch.bfloat16,), "real": (torch.float32, torch.bfloat16)}
@@ -77,6 +79,13 @@ def bench(device, x, w, dtype, kind, source, repeat):
     (M, K), N = x.shape, w.shape[0]
     flops = 2.0 * M * N * K
     ours = time_fn(lambda: det_gemm(x, w), device, warmup=1, repeat=repeat)
+    # each exact route on its own, and the proof that they agree on these operands
+    routes, outs = {}, {"auto": det_gemm(x, w)}
+    for route in ("kernel", "slices"):
+        with gemm_path(route):
+            routes[route] = time_fn(lambda: det_gemm(x, w), device, warmup=1, repeat=repeat)
+            outs[route] = det_gemm(x, w)
+    same = all(torch.equal(outs[r].view(torch.int32), outs["kernel"].view(torch.int32)) for r in outs)
     base = time_fn(lambda: torch.mm(x, w.T), device, warmup=2, repeat=max(repeat, 5))
     xf, wf = x.float(), w.float()
     fp32 = time_fn(lambda: torch.mm(xf, wf.T), device, warmup=2, repeat=max(repeat, 5))
@@ -86,10 +95,15 @@ def bench(device, x, w, dtype, kind, source, repeat):
         "ratio": base / ours, "baseline": f"torch.mm {str(dtype).replace('torch.', '')}",
         "fp32_mm_tflops": flops / fp32 / 1e12, "ratio_vs_fp32_mm": fp32 / ours,
         "source": source, "x_log2_span": log2_span(x), "w_log2_span": log2_span(w),
+        "kernel_tflops": flops / routes["kernel"] / 1e12, "slices_tflops": flops / routes["slices"] / 1e12,
+        "kernel_ratio_vs_fp32_mm": fp32 / routes["kernel"], "slices_ratio_vs_fp32_mm": fp32 / routes["slices"],
+        "routes_same_bytes": same,
     }
     what = f"{kind} {source['layer']} {source['gemm']}" if kind == "real" else kind
     print(f"{row['op']:9s} {row['dtype']:9s} {what:28s} {M:5d}x{N:5d}x{K:5d}  ours {row['ours_tflops']:9.4f} TF/s  "
-          f"torch.mm {row['baseline_tflops']:9.3f}  ratio {row['ratio']:.4f}  vs fp32 mm {row['ratio_vs_fp32_mm']:.4f}",
+          f"torch.mm {row['baseline_tflops']:9.3f}  ratio {row['ratio']:.4f}  vs fp32 mm {row['ratio_vs_fp32_mm']:.4f}  "
+          f"(kernel {row['kernel_ratio_vs_fp32_mm']:.4f}, slices {row['slices_ratio_vs_fp32_mm']:.4f}, "
+          f"same bytes {same})",
           flush=True)
     return row
 

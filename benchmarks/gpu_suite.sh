@@ -20,7 +20,7 @@ echo "build: $(( $(date +%s) - t0 )) s"
 
 status=0
 # File, then the -k filter that selects its CUDA tests ("" = the whole file).
-for spec in "test_cuda_gemm:" "test_det_modules:cuda" "test_adamw_sr:cuda" "test_digest:cuda" \
+for spec in "test_cuda_gemm:" "test_int_slices:cuda" "test_det_modules:cuda" "test_adamw_sr:cuda" "test_digest:cuda" \
             "test_digest_callback:cuda" "test_det_cross_entropy:cuda" "test_ops_api:" "test_gpt_char:cuda" \
             "test_eager_rounding:cuda"; do
   f=${spec%%:*} k=${spec#*:}

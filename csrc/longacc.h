@@ -211,6 +211,22 @@ LDET_HD int clz64(uint64_t v) {
 #endif
 }
 
+// The last step of every rounding: q, the kept significand bits at weight 2^ulp, plus the round
+// bit and the sticky bit below it -> the value, rounded to nearest-even, as an fp32 (exact for
+// bf16/fp16); +-inf past 2^emax_excl; a negative value that rounds to zero gives -0.0.
+LDET_HD float round_finish(bool neg, uint64_t q, int ulp, bool round_bit, bool sticky, int emax_excl) {
+  if (round_bit && (sticky || (q & 1))) ++q;
+  // q * 2^ulp with q <= 2^prec: decide overflow in exponent arithmetic, build the value exactly.
+  const int qbits = q ? 64 - clz64(q) : 0;
+  if (qbits + ulp > emax_excl) return float_of(neg ? 0xff800000u : 0x7f800000u);
+  double r = double(q);
+  // scale by 2^ulp exactly (ulp in [-149, 128]): two steps keep each factor a normal double
+  r *= double_of(uint64_t(1023 + ulp / 2) << 52);
+  r *= double_of(uint64_t(1023 + (ulp - ulp / 2)) << 52);
+  const float f = float(r);  // exact: r is representable in the target and hence in fp32
+  return neg ? -f : f;
+}
+
 // Rounds a canonical accumulator times 2^scale_exp (scale_exp <= 0: an exact division by a
 // power of two, e.g. a mean over 2^k ranks) once, to nearest-even, into a float with `prec`
 // significand bits (24: fp32, 8: bf16, 11: fp16) whose smallest subnormal is 2^emin_ulp and
@@ -245,16 +261,7 @@ LDET_HD float round_acc(const int64_t* acc_in, int prec, int emin_ulp, int emax_
   for (int i = msb; i >= u; --i) q = (q << 1) | mag_bit(m, i);
   const bool round_bit = u >= 1 && mag_bit(m, u - 1);
   const bool sticky = mag_any_below(m, u - 1);
-  if (round_bit && (sticky || (q & 1))) ++q;
-  // q * 2^ulp with q <= 2^prec: decide overflow in exponent arithmetic, build the value exactly.
-  const int qbits = q ? 64 - clz64(q) : 0;
-  if (qbits + ulp > emax_excl) return float_of(neg ? 0xff800000u : 0x7f800000u);
-  double r = double(q);
-  // scale by 2^ulp exactly (ulp in [-149, 128]): two steps keep each factor a normal double
-  r *= double_of(uint64_t(1023 + ulp / 2) << 52);
-  r *= double_of(uint64_t(1023 + (ulp - ulp / 2)) << 52);
-  const float f = float(r);  // exact: r is representable in the target and hence in fp32
-  return neg ? -f : f;
+  return round_finish(neg, q, ulp, round_bit, sticky, emax_excl);
 }
 
 LDET_HD float finalize_fp32(const int64_t* acc, int scale_exp = 0) { return round_acc(acc, 24, -149, 128, scale_exp); }

@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 
 #include "op_checks.h"
+#include "int_slices_host.h"
 #include "split.h"
 #include "gemm_common.h"
 
@@ -256,8 +257,16 @@ void run_gemm(const GemmArgs& g, void* out_f, int64_t* out_d) {
 
 template <bool kFinalize>
 at::Tensor gemm_common_cpu(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                           int64_t norm_interval, at::ScalarType out_dtype = at::kFloat) {
+                           int64_t norm_interval, at::ScalarType out_dtype = at::kFloat, bool allow_slices = true) {
   check_gemm_args(x, w, bias);
+  if (allow_slices && norm_interval == 0) {
+    const at::Tensor r = gemm_int_slices(
+        x, w, bias, !kFinalize, out_dtype, slice_backend_cpu(),
+        [&](const at::Tensor& xs, const at::Tensor& ws, const c10::optional<at::Tensor>& bs) {
+          return gemm_common_cpu<kFinalize>(xs, ws, bs, 0, out_dtype, false);
+        });
+    if (r.defined()) return r;
+  }
   auto [xsplit, wsplit] = split_fp32_for_fast_path(x, w);
   const at::Tensor& xin = xsplit.defined() ? xsplit : x;
   const at::Tensor& win = wsplit.defined() ? wsplit : w;

@@ -15,6 +15,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "cuda/elements.cuh"
 #include "detmath.h"
 #include "detmath_checks.h"
 
@@ -24,27 +25,6 @@ namespace {
 constexpr int kThreads = 256;
 
 unsigned blocks_for(int64_t n) { return unsigned((n + kThreads - 1) / kThreads); }
-
-// Exact widening of one element (every fp32, bf16 and fp16 value is an fp64 value).
-__device__ __forceinline__ double wide(const float* p, int64_t i) { return double(p[i]); }
-__device__ __forceinline__ double wide(const __nv_bfloat16* p, int64_t i) { return double(__bfloat162float(p[i])); }
-__device__ __forceinline__ double wide(const __half* p, int64_t i) { return double(__half2float(p[i])); }
-
-// Calls f(T*) with ``t``'s data as its element type (float, bfloat16 or half).
-template <typename F>
-void with_elements(const at::Tensor& t, F&& f) {
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      f(t.data_ptr<float>());
-      break;
-    case at::kBFloat16:
-      f(reinterpret_cast<const __nv_bfloat16*>(t.data_ptr()));
-      break;
-    default:
-      f(reinterpret_cast<const __half*>(t.data_ptr()));
-      break;
-  }
-}
 
 // Two inputs of one element type: the same dtype as they are, else both widened to fp32 (exact).
 std::pair<at::Tensor, at::Tensor> same_type(const at::Tensor& a, const at::Tensor& b) {

@@ -34,6 +34,7 @@
 
 #include "gemm_common.h"
 #include "op_checks.h"
+#include "int_slices_host.h"
 #include "split.h"
 
 namespace ldet {
@@ -590,10 +591,20 @@ void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& xs, cons
 
 template <bool kFinalize>
 at::Tensor gemm_common_cuda(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias,
-                            int64_t norm_interval, at::ScalarType out_dtype) {
+                            int64_t norm_interval, at::ScalarType out_dtype, bool allow_slices = true) {
   check_gemm_args(x_in, w_in, bias);
   TORCH_CHECK(x_in.device() == w_in.device(), "w: expected device ", x_in.device(), " to match x, got ", w_in.device());
   c10::cuda::CUDAGuard guard(x_in.device());
+  if (allow_slices && norm_interval == 0) {
+    if (bias.has_value())
+      TORCH_CHECK(bias->device() == x_in.device(), "bias: expected device ", x_in.device(), ", got ", bias->device());
+    const at::Tensor r = gemm_int_slices(
+        x_in, w_in, bias, !kFinalize, out_dtype, slice_backend_cuda(),
+        [&](const at::Tensor& xs, const at::Tensor& ws, const c10::optional<at::Tensor>& bs) {
+          return gemm_common_cuda<kFinalize>(xs, ws, bs, 0, out_dtype, false);
+        });
+    if (r.defined()) return r;
+  }
   // Mixed input dtypes: widen both to fp32 (exact), so one kernel type serves.
   at::Tensor x = x_in, w = w_in;
   if (x.scalar_type() != w.scalar_type()) {

@@ -1,6 +1,26 @@
 // Schemas of the exact GEMM ops. Implementations: csrc/cpu/gemm_cpu.cpp, csrc/cuda/gemm_cuda.cu.
 #include <torch/library.h>
 
+#include <atomic>
+
+#include "int_slices_host.h"
+
+namespace ldet {
+namespace {
+std::atomic<int> g_gemm_path{kPathAuto};
+
+// Sets the route every gemm / gemm_partial takes from now on (0 auto, 1 the long-accumulator
+// kernel only, 2 the integer slices wherever they apply); returns the previous one. Every route
+// gives the same bytes: the switch exists for tests and benchmarks.
+int64_t set_gemm_path(int64_t path) {
+  TORCH_CHECK(path >= kPathAuto && path <= kPathSlices, "path: expected 0 (auto), 1 (kernel) or 2 (slices), got ", path);
+  return g_gemm_path.exchange(int(path));
+}
+}  // namespace
+
+int gemm_path() { return g_gemm_path.load(std::memory_order_relaxed); }
+}  // namespace ldet
+
 TORCH_LIBRARY_FRAGMENT(ldet, m) {
   // x (M, K), w (N, K), bias (N,) or None; each fp32, bf16 or fp16 (mixing is fine: every
   // product is exact in fp64 either way); all on one device.
@@ -11,4 +31,6 @@ TORCH_LIBRARY_FRAGMENT(ldet, m) {
   // The same exact sum rounded once, to nearest-even, straight to out_dtype (default float32;
   // bfloat16 / float16 are never rounded through fp32 first): (M, N).
   m.def("gemm(Tensor x, Tensor w, Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor");
+  // Route switch for tests and benchmarks (csrc/int_slices_host.h): returns the previous route.
+  m.def("set_gemm_path(int path) -> int", &ldet::set_gemm_path);
 }

@@ -7,6 +7,7 @@ from .longacc import (
     det_gemm,
     det_gemm_partial,
     det_normalize,
+    gemm_path,
     to_digits,
 )
 
@@ -18,5 +19,6 @@ __all__ = [
     "det_finalize",
     "det_normalize",
     "det_all_reduce",
+    "gemm_path",
     "to_digits",
 ]

@@ -12,7 +12,8 @@ built) and give the same bytes on both.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+import contextlib
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -26,6 +27,7 @@ __all__ = [
     "det_combine",
     "det_finalize",
     "det_normalize",
+    "gemm_path",
     "to_digits",
 ]
 
@@ -125,6 +127,32 @@ def det_gemm(
         raise TypeError(f"out_dtype: expected torch.float32, torch.bfloat16 or torch.float16, got {out_dtype}")
     y = _ops().gemm(x2, w, bias, out_dtype)
     return y.reshape(*lead, w.shape[0])
+
+
+_GEMM_PATHS = {"auto": 0, "kernel": 1, "slices": 2}
+
+
+@contextlib.contextmanager
+def gemm_path(path: str) -> Iterator[None]:
+    """Routes every exact GEMM (det_gemm, det_gemm_partial and the modules built on them) through
+    one exact path inside the ``with`` block, process-wide.
+
+    Args:
+        path: ``"auto"`` (the default outside any block: integer slices where they pay, else the
+            long-accumulator kernel), ``"kernel"`` (the long-accumulator kernel only) or
+            ``"slices"`` (int8 slice GEMMs whenever the inputs allow; rows they cannot hold
+            exactly still go to the kernel).
+
+    Every path returns the same bytes (the exact sum rounded once); the switch exists so tests and
+    benchmarks can compare them. Not thread-safe: it sets one process-wide route.
+    """
+    if path not in _GEMM_PATHS:
+        raise ValueError(f"path: expected one of {sorted(_GEMM_PATHS)}, got {path!r}")
+    prev = _ops().set_gemm_path(_GEMM_PATHS[path])
+    try:
+        yield
+    finally:
+        _ops().set_gemm_path(prev)
 
 
 def det_gemm_partial(
