@@ -36,10 +36,11 @@ struct SliceBackend {
                         const at::Tensor& bias, int64_t D, int64_t bits, bool wide, bool digits,
                         at::ScalarType out_dtype);
   int bits;          // digit width: 8, or 7 where the int8 GEMM could saturate 16-bit pair sums
-  int64_t min_work;  // auto mode: M*N*K below this stays on the long-accumulator kernel
-  // auto mode: only when both inputs are fp32 (on the CPU the int8 GEMMs are only ~5x faster than
-  // fp32 ones, so bf16 / fp16, whose kernel needs no split, stay faster on the long accumulator)
-  bool auto_fp32_only;
+  // Auto mode: M*N*K from which the slices beat the long-accumulator kernel, when an input is
+  // fp32 (the kernel then splits it into four products) and when both are bf16 / fp16. Measured
+  // (benchmarks/results/h200-gemm.json, cpu-gemm.json; NOTES "Session 6").
+  int64_t min_work_fp32;
+  int64_t min_work_16bit;
 };
 
 // Each device's kernels (csrc/cpu/int_slices_cpu.cpp, csrc/cuda/int_slices_cuda.cu).
@@ -64,8 +65,8 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
   const int64_t M = x_in.size(0), K = x_in.size(1), N = w_in.size(0);
   if (M == 0 || N == 0 || K == 0) return {};
   if (mode == kPathAuto) {
-    if (double(M) * double(N) * double(K) < double(be.min_work)) return {};
-    if (be.auto_fp32_only && (x_in.scalar_type() != at::kFloat || w_in.scalar_type() != at::kFloat)) return {};
+    const bool fp32 = x_in.scalar_type() == at::kFloat || w_in.scalar_type() == at::kFloat;
+    if (double(M) * double(N) * double(K) < double(fp32 ? be.min_work_fp32 : be.min_work_16bit)) return {};
   }
   const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
   const int bits = be.bits;
