@@ -10,6 +10,8 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <functional>
 #include <utility>
 
@@ -98,8 +100,15 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
   if (bias.has_value()) bd = bias->to(at::kDouble).contiguous();
 
   // N in chunks so the int32 diagonals stay within ~256 MiB (they live at the training step's peak).
+  // LIGHTNING_DET_SLICES_CHUNK_MIB changes the cap (benchmarks: wider GEMMs against memory).
+  int64_t cap_mib = 256;
+  if (const char* env = std::getenv("LIGHTNING_DET_SLICES_CHUNK_MIB")) cap_mib = std::max<int64_t>(1, std::atoll(env));
+  // LIGHTNING_DET_SLICES_CONTIGUOUS=1 hands each diagonal's operands to the int8 GEMM as contiguous
+  // copies instead of column views (benchmarks: which kernels cuBLASLt then picks).
+  const char* contig_env = std::getenv("LIGHTNING_DET_SLICES_CONTIGUOUS");
+  const bool contig = contig_env != nullptr && std::string(contig_env) == "1";
   const int64_t per_col = std::max<int64_t>(1, P) * Mp * 4;
-  const int64_t Nc = std::min(Np, std::max<int64_t>(8, ((int64_t(256) << 20) / per_col) / 8 * 8));
+  const int64_t Nc = std::min(Np, std::max<int64_t>(8, ((cap_mib << 20) / per_col) / 8 * 8));
   at::Tensor out;
   for (int64_t n0 = 0; n0 < N; n0 += Nc) {
     const int64_t ncp = std::min(Nc, Np - n0), nv = std::min(Nc, N - n0);
@@ -111,7 +120,11 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
         const at::Tensor a = xs.narrow(1, (c * Sx + i0) * Kc, (i1 - i0 + 1) * Kc);
         const at::Tensor b = ws.narrow(0, n0, ncp).narrow(1, (c * Sw + (Sw - 1 - d + i0)) * Kc, (i1 - i0 + 1) * Kc);
         at::Tensor cd = C.select(0, c * D + d);
-        at::_int_mm_out(cd, a, b.t());
+        if (contig) {
+          at::_int_mm_out(cd, a.contiguous(), b.contiguous().t());
+        } else {
+          at::_int_mm_out(cd, a, b.t());
+        }
       }
     }
     at::Tensor part = be.combine(C, M, nv, shx, shw.narrow(0, n0, nv), bd.defined() ? bd.narrow(0, n0, nv) : bd, D,

@@ -149,3 +149,13 @@ def test_cuda_slices_equal_kernel_and_cpu(dx, dw):
                 assert_bitwise(got.cpu(), det_gemm(x, w, b, out_dtype=od), f"cuda vs cpu {M}x{K}x{N} -> {od}")
         ref, got = both_paths(lambda: det_gemm_partial(xc, wc, bc))
         assert torch.equal(got, ref), f"cuda digits {M}x{K}x{N}"
+
+
+@pytest.mark.parametrize("contiguous", ["0", "1"])
+def test_output_column_chunks_and_operand_copies(monkeypatch, contiguous):
+    # a 1 MiB cap on the int32 diagonals cuts N into chunks of 8 columns; the copies variant hands
+    # the int8 GEMM contiguous operands: neither may change a bit
+    monkeypatch.setenv("LIGHTNING_DET_SLICES_CHUNK_MIB", "1")
+    monkeypatch.setenv("LIGHTNING_DET_SLICES_CONTIGUOUS", contiguous)
+    x, w, b = gen.normal((600, 96), torch.float32, 15), gen.normal((45, 96), torch.bfloat16, 16), gen.normal((45,), torch.float32, 17)
+    assert_same_everywhere(x, w, b, f"N chunks, contiguous={contiguous}")
