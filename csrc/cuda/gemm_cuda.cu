@@ -594,10 +594,10 @@ at::Tensor gemm_common_cuda(const at::Tensor& x_in, const at::Tensor& w_in, cons
                             int64_t norm_interval, at::ScalarType out_dtype, bool allow_slices = true) {
   check_gemm_args(x_in, w_in, bias);
   TORCH_CHECK(x_in.device() == w_in.device(), "w: expected device ", x_in.device(), " to match x, got ", w_in.device());
+  if (bias.has_value())
+    TORCH_CHECK(bias->device() == x_in.device(), "bias: expected device ", x_in.device(), ", got ", bias->device());
   c10::cuda::CUDAGuard guard(x_in.device());
   if (allow_slices && norm_interval == 0) {
-    if (bias.has_value())
-      TORCH_CHECK(bias->device() == x_in.device(), "bias: expected device ", x_in.device(), ", got ", bias->device());
     const at::Tensor r = gemm_int_slices(
         x_in, w_in, bias, !kFinalize, out_dtype, slice_backend_cuda(),
         [&](const at::Tensor& xs, const at::Tensor& ws, const c10::optional<at::Tensor>& bs) {
@@ -623,10 +623,7 @@ at::Tensor gemm_common_cuda(const at::Tensor& x_in, const at::Tensor& w_in, cons
   const int64_t nkb = (K + BK - 1) / BK;
   const int64_t interval = norm_interval > 0 ? norm_interval : LDET_NORM_INTERVAL;
   at::Tensor bd;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->device() == x_in.device(), "bias: expected device ", x_in.device(), ", got ", bias->device());
-    bd = bias->to(at::kDouble).contiguous();
-  }
+  if (bias.has_value()) bd = bias->to(at::kDouble).contiguous();
   at::Tensor xs = at::empty({M * nkb}, x.options().dtype(at::kInt));
   at::Tensor ws = at::empty({N * nkb}, x.options().dtype(at::kInt));
   at::Tensor out = kFinalize ? at::empty({M, N}, x.options().dtype(out_dtype))
