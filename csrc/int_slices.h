@@ -39,16 +39,20 @@ LDET_HD int slices_needed(int hi, int lo, int bits) {
   return (hi - lo + 3 + bits - 1) / bits;
 }
 
-// Writes the S balanced digits of v * 2^sh (an exact integer by construction) to dst[s * stride]
-// for s = 0..S-1 (least significant first).
-LDET_HD void slice_digits(double v, int sh, int S, int bits, int8_t* dst, int64_t stride) {
-  int64_t X = int64_t(ldexp(v, sh));  // exact: |X| < 2^62, an integer (see the header comment)
+// Writes the S balanced digits of the integer X to dst[s * stride] for s = 0..S-1 (least
+// significant first).
+LDET_HD void slice_integer(int64_t X, int S, int bits, int8_t* dst, int64_t stride) {
   const int64_t half = int64_t(1) << (bits - 1), mask = (int64_t(1) << bits) - 1;
   for (int s = 0; s < S; ++s) {
     const int64_t d = ((X + half) & mask) - half;
     dst[s * stride] = int8_t(d);
     X = (X - d) >> bits;  // exact: X - d is a multiple of 2^bits
   }
+}
+
+// The digits of v * 2^sh, an exact integer with |X| < 2^62 by construction (header comment).
+LDET_HD void slice_digits(double v, int sh, int S, int bits, int8_t* dst, int64_t stride) {
+  slice_integer(int64_t(ldexp(v, sh)), S, bits, dst, stride);
 }
 
 #if defined(__SIZEOF_INT128__)

@@ -1,8 +1,10 @@
 // CPU kernels of the integer-slice GEMM (scheme: csrc/int_slices.h; driver: csrc/int_slices_host.h).
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <string>
@@ -13,57 +15,63 @@
 namespace ldet {
 namespace {
 
+// The kernels read the operands as they are (AT_DISPATCH over fp32 / bf16 / fp16): every value
+// widens to fp64 exactly (static_cast<double>), so fp64 copies of whole operands are not needed.
+
 at::Tensor row_needs_cpu(const at::Tensor& a, int64_t bits) {
-  const at::Tensor ad = a.to(at::kDouble).contiguous();  // exact widening
-  const int64_t R = ad.size(0), K = ad.size(1);
+  const int64_t R = a.size(0), K = a.size(1);
   at::Tensor out = at::empty({R, 2}, a.options().dtype(at::kInt));
-  const double* p = ad.data_ptr<double>();
   int32_t* o = out.data_ptr<int32_t>();
-  at::parallel_for(0, R, 16, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      int hi = -32768, lo = 32767;
-      bool bad = false;
-      for (int64_t k = 0; k < K; ++k) {
-        const double v = p[r * K + k];
-        if (!is_finite(v)) {
-          bad = true;
-          break;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "row_needs_cpu", [&] {
+    const scalar_t* p = a.data_ptr<scalar_t>();
+    at::parallel_for(0, R, 16, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        int hi = -32768, lo = 32767;
+        bool bad = false;
+        for (int64_t k = 0; k < K; ++k) {
+          const double v = static_cast<double>(p[r * K + k]);
+          if (!is_finite(v)) {
+            bad = true;
+            break;
+          }
+          const ExpStat s = exp_stat(v);
+          hi = std::max(hi, s.hi);
+          lo = std::min(lo, s.lo);
         }
-        const ExpStat s = exp_stat(v);
-        hi = std::max(hi, s.hi);
-        lo = std::min(lo, s.lo);
+        o[2 * r] = hi;
+        o[2 * r + 1] = bad ? kSliceNeedBad : slices_needed(hi, lo, int(bits));
       }
-      o[2 * r] = hi;
-      o[2 * r + 1] = bad ? kSliceNeedBad : slices_needed(hi, lo, int(bits));
-    }
+    });
   });
   return out;
 }
 
 std::pair<at::Tensor, at::Tensor> make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64_t S,
                                                   int64_t bits, bool reverse, int64_t Kc, int64_t nch, int64_t Rp) {
-  const at::Tensor ad = a.to(at::kDouble).contiguous();
-  const int64_t R = ad.size(0), K = ad.size(1), width = nch * S * Kc;
+  const int64_t R = a.size(0), K = a.size(1), width = nch * S * Kc;
   at::Tensor out = at::zeros({Rp, width}, a.options().dtype(at::kChar));
   at::Tensor sh = at::zeros({R}, a.options().dtype(at::kInt));
-  const double* p = ad.data_ptr<double>();
   const int32_t* nd = needs.data_ptr<int32_t>();
   int8_t* o = out.data_ptr<int8_t>();
   int32_t* so = sh.data_ptr<int32_t>();
-  at::parallel_for(0, R, 16, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      const int need = nd[2 * r + 1];
-      if (need == 0 || need > S) continue;  // zero row, or left to the long-accumulator kernel
-      const int s = int(bits * S) - 3 - nd[2 * r];
-      so[r] = s;
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t c = k / Kc, kk = k % Kc;
-        // slice 0 sits in slot 0 (x) or slot S-1 (w, reversed); consecutive slices one Kc apart
-        const int64_t slot0 = reverse ? S - 1 : 0;
-        int8_t* dst = o + r * width + (c * S + slot0) * Kc + kk;
-        slice_digits(p[r * K + k], s, int(S), int(bits), dst, reverse ? -Kc : Kc);
+  // slice 0 sits in slot 0 (x) or slot S-1 (w, reversed); consecutive slices one Kc apart
+  const int64_t slot0 = reverse ? S - 1 : 0, step = reverse ? -Kc : Kc;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "make_slices_cpu", [&] {
+    const scalar_t* p = a.data_ptr<scalar_t>();
+    at::parallel_for(0, R, 16, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const int need = nd[2 * r + 1];
+        if (need == 0 || need > S) continue;  // zero row, or left to the long-accumulator kernel
+        const int s = int(bits * S) - 3 - nd[2 * r];
+        so[r] = s;
+        const double scale = std::ldexp(1.0, s);  // v * 2^s is exact: an integer below 2^62
+        for (int64_t c = 0; c < nch; ++c) {
+          int8_t* base = o + r * width + (c * S + slot0) * Kc;
+          for (int64_t k = c * Kc, kk = 0; k < std::min(K, (c + 1) * Kc); ++k, ++kk)
+            slice_integer(int64_t(static_cast<double>(p[r * K + k]) * scale), int(S), int(bits), base + kk, step);
+        }
       }
-    }
+    });
   });
   return {out, sh};
 }
