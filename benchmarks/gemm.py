@@ -43,7 +43,7 @@ from _common import time_fn, write  # noqa: E402
 
 import _real_data  # noqa: E402
 
-from lightning_det.ops import det_gemm, gemm_path  # noqa: E402
+from lightning_det.ops import det_gemm, gemm_path, last_slices_plan  # noqa: E402
 
 
 DTYPES = {"normal": (torch.float32, torch.bfloat16), "wide": (torch.bfloat16,), "real": (torch.float32, torch.bfloat16)}
@@ -85,6 +85,8 @@ def bench(device, x, w, dtype, kind, source, repeat):
         with gemm_path(route):
             routes[route] = time_fn(lambda: det_gemm(x, w), device, warmup=1, repeat=repeat)
             outs[route] = det_gemm(x, w)
+            if route == "slices":
+                plan = last_slices_plan()  # how the slices cut these operands
     same = all(torch.equal(outs[r].view(torch.int32), outs["kernel"].view(torch.int32)) for r in outs)
     base = time_fn(lambda: torch.mm(x, w.T), device, warmup=2, repeat=max(repeat, 5))
     xf, wf = x.float(), w.float()
@@ -97,13 +99,14 @@ def bench(device, x, w, dtype, kind, source, repeat):
         "source": source, "x_log2_span": log2_span(x), "w_log2_span": log2_span(w),
         "kernel_tflops": flops / routes["kernel"] / 1e12, "slices_tflops": flops / routes["slices"] / 1e12,
         "kernel_ratio_vs_fp32_mm": fp32 / routes["kernel"], "slices_ratio_vs_fp32_mm": fp32 / routes["slices"],
-        "routes_same_bytes": same,
+        "routes_same_bytes": same, "slices_plan": plan,
     }
     what = f"{kind} {source['layer']} {source['gemm']}" if kind == "real" else kind
     print(f"{row['op']:9s} {row['dtype']:9s} {what:28s} {M:5d}x{N:5d}x{K:5d}  ours {row['ours_tflops']:9.4f} TF/s  "
           f"torch.mm {row['baseline_tflops']:9.3f}  ratio {row['ratio']:.4f}  vs fp32 mm {row['ratio_vs_fp32_mm']:.4f}  "
           f"(kernel {row['kernel_ratio_vs_fp32_mm']:.4f}, slices {row['slices_ratio_vs_fp32_mm']:.4f}, "
-          f"same bytes {same})",
+          f"same bytes {same}; slices {plan['slices_x']}x{plan['slices_w']}, "
+          f"residues {plan['residues_x']}/{plan['residues_w']})",
           flush=True)
     return row
 

@@ -5,21 +5,28 @@
 //
 // The scheme (csrc/int_slices_host.h drives it):
 //   1. Each row r of an operand (x's rows, w's rows) gets one scale: sh_r = bits*S - 3 - hi_r,
-//      hi_r the exponent of the row's largest |value|. Every value times 2^sh_r is then an
-//      integer X with |X| < 2^(bits*S - 2), *exactly*, when the row's span hi_r - lo_r + 3 is at
-//      most bits*S (lo_r: the exponent of the lowest set bit in the row). S, the slice count, is
-//      the largest count any row of the operand needs; a row needing more than kSliceMax (or
-//      holding inf/NaN) is left out here and computed by the long-accumulator kernel instead.
+//      hi_r the exponent of the row's largest |value|. Every value v times 2^sh_r, truncated
+//      toward zero, is an integer X with |X| < 2^(bits*S - 2). Values whose lowest set bit lies
+//      below the window (v * 2^sh_r not an integer) are the row's *residues*: r = v - X 2^-sh_r,
+//      exact in fp64. S, the slice count, is chosen per operand (host: the fewest slices that
+//      every row holds with at most kResidueCap residues reaching at most kResidueDepthCap bits
+//      below the window, weighed against the residues' cost); a row that no S <= kSliceMax
+//      holds so (or holding inf/NaN) is left out here and computed by the long-accumulator
+//      kernel instead.
 //   2. X = sum_s d_s 2^(bits*s) in balanced digits d_s in [-2^(bits-1), 2^(bits-1)): S int8
 //      slices. The digits of a multiple of 2^t are each multiples of 2^t, so every slice term,
 //      and every product of two, is still an integer number of 2^-298 digit units.
 //   3. For each diagonal d = i + j, C_d = sum_{i+j=d} X_i . W_j is ONE int8 GEMM over the
 //      concatenated K-blocks of the slices (x's slices in order, w's reversed), exact in int32
 //      while pairs * K * 2^(2 bits - 2) < 2^31 (the host splits K to keep it so).
-//   4. Per output: exact = sum_d C_d 2^(bits*d - sh_x[m] - sh_w[n]) (+ bias), rounded once. The
-//      sum is formed exactly as a 128-bit integer and rounded by round_int128, which follows
-//      round_acc bit for bit; outputs where that does not apply (a bias below the product grid
-//      or non-finite, a digits result) go through the long accumulator itself.
+//   4. Per output: x.w = x3.w3 + sum_k xr w + sum_k x3 wr (x = x3 + xr, w = w3 + wr: the
+//      truncated values and the residues). The first is sum_d C_d 2^(bits*d - sh_x[m] - sh_w[n]);
+//      each residue term is one exact fp64 product (both factors hold at most 24 bits). With
+//      the bias, the sum is formed exactly as a 128-bit integer in units of 2^(E - F) (F: how
+//      far the two rows' residues reach below their windows) and rounded by round_int128, which
+//      follows round_acc bit for bit; outputs where that does not apply (a bias below the grid
+//      or non-finite, a digits result, a sum the host could not bound below 2^125) go through
+//      the long accumulator itself.
 // Only speed depends on the slicing: every byte of output equals the long-accumulator kernel's.
 #pragma once
 
@@ -29,14 +36,57 @@
 
 namespace ldet {
 
-constexpr int kSliceMax = 8;         // slices per operand; X then needs 8 * 8 - 2 = 62 bits
-constexpr int kSliceNeedBad = 127;   // "needs" value of a row holding inf or NaN
-constexpr int64_t kSliceIntBound = (int64_t(1) << 31) - 1;
+// The fallback of the combine is a call, not inlined: its long accumulator (152 bytes of digits)
+// would otherwise sit in the stack frame of every thread of the fast path.
+#if defined(__CUDACC__)
+#define LDET_HD_NOINLINE __host__ __device__ __noinline__
+#else
+#define LDET_HD_NOINLINE __attribute__((noinline))
+#endif
 
-// Slices a row needs: its span (hi - lo + 1) plus 2 bits of sign/headroom, in `bits`-bit digits.
+constexpr int kSliceMax = 8;         // slices per operand; X then needs 8 * 8 - 2 = 62 bits
+constexpr int kSliceNeedBad = 127;   // "needs" value of a row left to the long-accumulator kernel
+constexpr int64_t kSliceIntBound = (int64_t(1) << 31) - 1;
+// Residues per row, and how far below the row's window they may reach. Each residue costs one
+// exact product per output of its row (combine); rows past either cap take more slices.
+constexpr int kResidueCap = 32;
+constexpr int kResidueDepthCap = 40;
+
+// Per-operand summary (int32, kSumLen) that row_needs writes: the largest need of a row that
+// fits, the count of rows that fit no S, and for each S = 1..kSliceMax the deepest residue
+// (bits below the window) and the number of residues over the rows that fit at that S.
+constexpr int kSumNeed = 0, kSumBad = 1, kSumDepth = 2, kSumCount = 2 + kSliceMax, kSumLen = 2 + 2 * kSliceMax;
+// Histogram bins of element needs: 0 (a zero), 1..kSliceMax, kSliceMax + 1 (more).
+constexpr int kNeedBins = kSliceMax + 2;
+
+// Slices a value (or row) needs: its span (hi - lo + 1) plus 2 bits of sign/headroom, in
+// `bits`-bit digits. hi: the row's top exponent; lo: the lowest set bit.
 LDET_HD int slices_needed(int hi, int lo, int bits) {
   if (hi < lo) return 0;  // no nonzero value: an all-zero row
   return (hi - lo + 3 + bits - 1) / bits;
+}
+
+// The histogram bin of one element with lowest set bit lo_el in a row whose top exponent is hi.
+LDET_HD int need_bin(int hi, int lo_el, int bits) {
+  const int n = slices_needed(hi, lo_el, bits);
+  return n > kSliceMax ? kSliceMax + 1 : n;
+}
+
+// A row's plan from its histogram of element needs (hist[kNeedBins]), top exponent hi and lowest
+// set bit lo: returns the fewest slices S holding it (residues within both caps), 0 for a zero
+// row, kSliceNeedBad for none. depth[s-1], count[s-1]: its residues at S = s.
+LDET_HD int row_plan(const int* hist, int hi, int lo, int bits, int* depth, int* count) {
+  int need = kSliceNeedBad;
+  for (int s = kSliceMax; s >= 1; --s) {
+    int c = 0;
+    for (int b = s + 1; b < kNeedBins; ++b) c += hist[b];
+    const int bottom = hi + 3 - bits * s;  // exponent of the window's lowest bit
+    depth[s - 1] = c > 0 ? bottom - lo : 0;
+    count[s - 1] = c;
+    if (c <= kResidueCap && depth[s - 1] <= kResidueDepthCap) need = s;
+  }
+  if (hi < lo) need = 0;
+  return need;
 }
 
 // Writes the S balanced digits of the integer X to dst[s * stride] for s = 0..S-1 (least
@@ -50,9 +100,70 @@ LDET_HD void slice_integer(int64_t X, int S, int bits, int8_t* dst, int64_t stri
   }
 }
 
-// The digits of v * 2^sh, an exact integer with |X| < 2^62 by construction (header comment).
+// 2^e exactly, for e in [-1022, 1023].
+LDET_HD double pow2(int e) { return double_of(uint64_t(e + 1023) << 52); }
+
+// The window part of v: v * 2^sh truncated toward zero, an integer with |X| < 2^62 by
+// construction (header comment, step 1). v - X * 2^-sh is v's residue.
+LDET_HD int64_t window_integer(double v, int sh) { return int64_t(v * pow2(sh)); }
+
+// The digits of v's window part.
 LDET_HD void slice_digits(double v, int sh, int S, int bits, int8_t* dst, int64_t stride) {
-  slice_integer(int64_t(ldexp(v, sh)), S, bits, dst, stride);
+  slice_integer(window_integer(v, sh), S, bits, dst, stride);
+}
+
+// Element kinds of the operands the combine reads back for residue terms.
+enum ElemKind { kElemF32 = 0, kElemBF16 = 1, kElemF16 = 2 };
+
+LDET_HD double fp16_bits_to_double(uint16_t h) {
+  const int e = (h >> 10) & 0x1f;
+  const double mag = e == 0 ? double(h & 0x3ff) * pow2(-24) : double((h & 0x3ff) | 0x400) * pow2(e - 25);
+  return (h & 0x8000) ? -mag : mag;  // inputs are finite here (rows with inf/NaN never have residues)
+}
+
+// A row-major (R, ld) operand of fp32 / bf16 / fp16 elements, read exactly as fp64.
+struct Elems {
+  const void* p;
+  int kind;
+  int64_t ld;
+  LDET_HD double at(int64_t r, int64_t k) const {
+    const int64_t i = r * ld + k;
+    if (kind == kElemF32) return double(static_cast<const float*>(p)[i]);
+    const uint16_t h = static_cast<const uint16_t*>(p)[i];
+    if (kind == kElemBF16) return double(float_of(uint32_t(h) << 16));
+    return fp16_bits_to_double(h);
+  }
+};
+
+// One operand's residues: per row their count, their columns k and values (kResidueCap slots a
+// row), and F, how many bits the deepest lies below the window. count == null: none at all.
+struct Residues {
+  const int32_t* count;
+  const int32_t* idx;
+  const double* val;
+  const int32_t* F;
+};
+
+// Calls f(t) for each residue term of output (m, n): xr[m,k] * w[n,k] for x's residues and
+// x3[m,k] * wr[n,k] for w's (x3: x's window part, so that no product is counted twice).
+template <class Fn>
+LDET_HD void for_each_residue_term(const Residues& rx, const Elems& x, int shx, int64_t m, const Residues& rw,
+                                   const Elems& w, int64_t n, Fn&& f) {
+  if (rx.count != nullptr) {
+    const int c = rx.count[m];
+    for (int j = 0; j < c; ++j) {
+      const int64_t s = m * kResidueCap + j;
+      f(rx.val[s] * w.at(n, rx.idx[s]));
+    }
+  }
+  if (rw.count != nullptr) {
+    const int c = rw.count[n];
+    for (int j = 0; j < c; ++j) {
+      const int64_t s = n * kResidueCap + j;
+      const double x3 = double(window_integer(x.at(m, rw.idx[s]), shx)) * pow2(-shx);
+      f(x3 * rw.val[s]);
+    }
+  }
 }
 
 #if defined(__SIZEOF_INT128__)
@@ -95,60 +206,45 @@ LDET_HD float round_int128_fmt(bool neg, u128 mag, int E, int fmt) {
   if (fmt == kFmtF16) return round_int128(neg, mag, E, 11, -24, 16);
   return round_int128(neg, mag, E, 24, -149, 128);
 }
+
+// Adds the finite fp64 value b to T (two's complement, in units of 2^Eu) when b is an integer
+// number of units below 2^max_bits units; returns false, T unchanged, otherwise.
+LDET_HD bool add_units(u128& T, double b, int Eu, int max_bits) {
+  const uint64_t u = bits_of(b);
+  const int e = int((u >> 52) & 0x7ff);
+  if (e == 0x7ff) return false;
+  uint64_t m = u & ((uint64_t(1) << 52) - 1);
+  int sh;  // |b| = m * 2^(sh + Eu)
+  if (e == 0) {
+    sh = -1074 - Eu;
+  } else {
+    m |= uint64_t(1) << 52;
+    sh = e - 1075 - Eu;
+  }
+  if (m == 0) return true;
+  const int tz = 63 - clz64(m & (~m + 1));
+  if (sh + tz < 0 || sh > max_bits - 53) return false;
+  const u128 v = sh >= 0 ? (u128(m) << sh) : u128(m >> (-sh));
+  T = (u >> 63) ? T - v : T + v;
+  return true;
+}
 #endif
 
-// One output of the combine. c[p * pstride], p < P, are the int32 diagonal sums (p = chunk * D +
-// d); their exact sum with bias (may be null) times 2^E is rounded to fmt (acc_out == null) or
-// stored as canonical digits in acc_out. `wide` says the caller proved |sum_d C_d 2^(bits d)| <
-// 2^125, so the 128-bit route cannot overflow.
-LDET_HD void combine_output(const int32_t* c, int64_t pstride, int P, int D, int bits, int E, const double* bias,
-                            bool wide, int fmt, float* out_val, int64_t* acc_out) {
-#if defined(__SIZEOF_INT128__)
-  if (acc_out == nullptr && wide) {
-    i128 T = 0;
-    for (int p = 0; p < P; ++p) T += i128(c[p * pstride]) << (bits * (p % D));
-    bool ok = true;
-    if (bias != nullptr && *bias != 0.0) {
-      // the bias joins T when it is a finite integer multiple of 2^E below 2^100 units
-      const double b = *bias;
-      const uint64_t u = bits_of(b);
-      const int e = int((u >> 52) & 0x7ff);
-      ok = e != 0x7ff;
-      if (ok) {
-        uint64_t m = u & ((uint64_t(1) << 52) - 1);
-        int sh;  // |b| = m * 2^(sh + E)
-        if (e == 0) {
-          sh = -1074 - E;
-        } else {
-          m |= uint64_t(1) << 52;
-          sh = e - 1075 - E;
-        }
-        const int tz = m ? (63 - clz64(m & (~m + 1))) : 0;
-        if (sh + tz < 0 || sh > 100 - 53) {
-          ok = false;
-        } else {
-          const i128 bi = sh >= 0 ? (i128(m) << sh) : i128(m >> (-sh));
-          T += (u >> 63) ? -bi : bi;
-        }
-      }
-    }
-    if (ok) {
-      if (T == 0) {
-        *out_val = 0.0f;  // exact zero -> +0.0
-      } else {
-        const bool neg = T < 0;
-        *out_val = round_int128_fmt(neg, neg ? u128(-T) : u128(T), E, fmt);
-      }
-      return;
-    }
-  }
-#endif
+// The long-accumulator route of one output (combine_output's fallback): every int32 diagonal sum,
+// residue term and the bias added exactly as fp64 values.
+template <class Terms>
+LDET_HD_NOINLINE void combine_output_digits(const int32_t* c, int64_t pstride, int nch, int D, int bits, int E,
+                                            const double* bias, int fmt, const Terms& terms, float* out_val,
+                                            int64_t* acc_out) {
   int64_t acc[LDET_WORDS];
   zero(acc);
-  for (int p = 0; p < P; ++p) {
-    const int32_t v = c[p * pstride];
-    if (v) add_double(acc, ldexp(double(v), E + bits * (p % D)));  // exact (header comment, step 2)
+  for (int ch = 0; ch < nch; ++ch) {
+    for (int d = 0; d < D; ++d) {
+      const int32_t v = c[(ch * D + d) * pstride];
+      if (v) add_double(acc, ldexp(double(v), E + bits * d));  // exact (header comment, step 2)
+    }
   }
+  terms([&](double t) { add_double(acc, t); });  // exact products of parts of the inputs
   if (bias != nullptr) add_value(acc, *bias);
   normalize(acc);
   if (acc_out != nullptr) {
@@ -156,6 +252,44 @@ LDET_HD void combine_output(const int32_t* c, int64_t pstride, int P, int D, int
   } else {
     *out_val = finalize_fmt(acc, fmt);
   }
+}
+
+// One output of the combine. c[(ch * D + d) * pstride] are the int32 diagonal sums of K-chunk ch;
+// their exact sum times 2^E, the residue terms (terms(f) calls f on each) and bias (may be null)
+// are rounded to fmt (acc_out == null) or stored as canonical digits in acc_out. F: bits the
+// output's residues reach below 2^E. `wide` says the caller proved the 128-bit sum in units of
+// 2^(E - F) stays below 2^126, so that route cannot overflow.
+template <class Terms>
+LDET_HD void combine_output(const int32_t* c, int64_t pstride, int nch, int D, int bits, int E, int F,
+                            const double* bias, bool wide, int fmt, const Terms& terms, float* out_val,
+                            int64_t* acc_out) {
+#if defined(__SIZEOF_INT128__)
+  if (acc_out == nullptr && wide) {
+    // Horner from the top diagonal: constant shifts only, modular (unsigned) arithmetic
+    u128 T = 0;
+    for (int d = D - 1; d >= 0; --d) {
+      int64_t s = 0;
+      for (int ch = 0; ch < nch; ++ch) s += c[(ch * D + d) * pstride];
+      T = (T << bits) + u128(i128(s));
+    }
+    T <<= F;
+    const int Eu = E - F;
+    // the bias joins T when it is an integer number of units below 2^100 of them
+    bool ok = bias == nullptr || *bias == 0.0 || add_units(T, *bias, Eu, 100);
+    if (ok) terms([&](double t) { ok = ok && add_units(T, t, Eu, 124); });
+    if (ok) {
+      const i128 Ts = i128(T);
+      if (Ts == 0) {
+        *out_val = 0.0f;  // exact zero -> +0.0
+      } else {
+        const bool neg = Ts < 0;
+        *out_val = round_int128_fmt(neg, neg ? u128(-Ts) : u128(Ts), Eu, fmt);
+      }
+      return;
+    }
+  }
+#endif
+  combine_output_digits(c, pstride, nch, D, bits, E, bias, fmt, terms, out_val, acc_out);
 }
 
 }  // namespace ldet

@@ -10,6 +10,8 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <array>
+#include <limits>
 #include <cstdlib>
 #include <string>
 #include <functional>
@@ -23,18 +25,57 @@ namespace ldet {
 enum GemmPath { kPathAuto = 0, kPathKernel = 1, kPathSlices = 2 };
 int gemm_path();  // csrc/schema/gemm.cpp
 
+// One operand's slices and what the combine needs of it (rows narrowed for an N-chunk of w).
+struct SliceOperand {
+  at::Tensor a;        // the operand (R, K) as given: the combine reads it back for residue terms
+  at::Tensor q;        // int8 (Rp, nch * S * Kc): the slices (SliceBackend::make_slices)
+  at::Tensor sh;       // int32 (R,): the row scales sh_r
+  // Residues (undefined when the operand has none at its S): int32 (R,) count, (R, kResidueCap)
+  // columns, fp64 (R, kResidueCap) values, int32 (R,) F (bits below the window).
+  at::Tensor rcount, ridx, rval, F;
+  SliceOperand rows(int64_t r0, int64_t n) const {
+    SliceOperand o{a.narrow(0, r0, n), at::Tensor(), sh.narrow(0, r0, n), {}, {}, {}, {}};
+    if (rcount.defined()) {
+      o.rcount = rcount.narrow(0, r0, n);
+      o.ridx = ridx.narrow(0, r0, n);
+      o.rval = rval.narrow(0, r0, n);
+      o.F = F.narrow(0, r0, n);
+    }
+    return o;
+  }
+};
+
+// A SliceOperand's buffers for operand a: slices (Rp, width), scales and, when `residues`, the
+// residue lists (counts zeroed). zero_fill: zeros where the slicing kernel writes only live rows.
+inline SliceOperand new_slice_operand(const at::Tensor& a, int64_t Rp, int64_t width, bool residues, bool zero_fill) {
+  const int64_t R = a.size(0);
+  auto make = [&](at::IntArrayRef size, at::ScalarType t) {
+    return zero_fill ? at::zeros(size, a.options().dtype(t)) : at::empty(size, a.options().dtype(t));
+  };
+  SliceOperand so{a, make({Rp, width}, at::kChar), make({R}, at::kInt), {}, {}, {}, {}};
+  if (residues) {
+    so.rcount = at::zeros({R}, a.options().dtype(at::kInt));
+    so.ridx = at::empty({R, kResidueCap}, a.options().dtype(at::kInt));
+    so.rval = at::empty({R, kResidueCap}, a.options().dtype(at::kDouble));
+    so.F = make({R}, at::kInt);
+  }
+  return so;
+}
+
 struct SliceBackend {
-  // (R, 2) int32 per row: the exponent of its largest |value| and the slices it needs at `bits`
-  // (kSliceNeedBad for a row holding inf/NaN, 0 for an all-zero row).
-  at::Tensor (*row_needs)(const at::Tensor& a, int64_t bits);
-  // int8 (Rp, nch * S * Kc): for chunk c and slice s (slot s, or S-1-s when reverse) the columns
-  // [(c*S + slot) * Kc, +Kc) hold slice s of a[:, c*Kc : (c+1)*Kc]; zero padding and zero rows
-  // for rows needing more than S. Also the int32 (R,) scales sh_r.
-  std::pair<at::Tensor, at::Tensor> (*make_slices)(const at::Tensor& a, const at::Tensor& needs, int64_t S,
-                                                   int64_t bits, bool reverse, int64_t Kc, int64_t nch,
-                                                   int64_t Rp);
-  // Rounded (M, Nv) of out_dtype, or digits (M, Nv, 19), from C (P, Mp, Ncp) int32.
-  at::Tensor (*combine)(const at::Tensor& C, int64_t M, int64_t Nv, const at::Tensor& shx, const at::Tensor& shw,
+  // Per row (R, 3) int32: the exponent of its largest |value|, the slices it needs (residues
+  // allowed: int_slices.h, row_plan; kSliceNeedBad for a row holding inf/NaN or that no S holds,
+  // 0 for an all-zero row) and its lowest set bit. Also the operand's summary (kSumLen,) int32.
+  std::pair<at::Tensor, at::Tensor> (*row_needs)(const at::Tensor& a, int64_t bits);
+  // The slices at S: int8 (Rp, nch * S * Kc): for chunk c and slice s (slot s, or S-1-s when
+  // reverse) the columns [(c*S + slot) * Kc, +Kc) hold slice s of a[:, c*Kc : (c+1)*Kc]'s window
+  // parts; zero padding and zero rows for rows needing more than S. Also the scales and, when
+  // `residues`, the residue lists (SliceOperand).
+  SliceOperand (*make_slices)(const at::Tensor& a, const at::Tensor& needs, int64_t S, int64_t bits, bool reverse,
+                              int64_t Kc, int64_t nch, int64_t Rp, bool residues);
+  // Rounded (M, Nv) of out_dtype, or digits (M, Nv, 19), from C (nch * D, Mp, Ncp) int32 and
+  // both operands' residues (w's narrowed to the chunk's Nv rows).
+  at::Tensor (*combine)(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOperand& x, const SliceOperand& w,
                         const at::Tensor& bias, int64_t D, int64_t bits, bool wide, bool digits,
                         at::ScalarType out_dtype);
   int bits;          // digit width: 8, or 7 where the int8 GEMM could saturate 16-bit pair sums
@@ -43,7 +84,14 @@ struct SliceBackend {
   // (benchmarks/results/h200-gemm.json, cpu-gemm.json; NOTES "Session 6").
   int64_t min_work_fp32;
   int64_t min_work_16bit;
+  // Cost of one residue term of the combine in int8 multiply-adds of the GEMMs: the host weighs
+  // a slice fewer against the residues it leaves (NOTES "Session 7").
+  double term_macs;
 };
+
+// The plan of the last GEMM this thread ran on the slices: Sx, Sw, x's and w's residues, x's and
+// w's rows left to the kernel (tests and benchmarks read it: lightning_det.ops.last_slices_plan).
+std::array<int64_t, 6>& last_slices_plan();
 
 // Each device's kernels (csrc/cpu/int_slices_cpu.cpp, csrc/cuda/int_slices_cuda.cu).
 const SliceBackend& slice_backend_cpu();
@@ -73,29 +121,67 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
   const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
   const int bits = be.bits;
 
-  const at::Tensor nx = be.row_needs(x, bits), nw = be.row_needs(w, bits);
-  const at::Tensor need_x = nx.select(1, 1), need_w = nw.select(1, 1);
-  const at::Tensor bad_x = need_x > kSliceMax, bad_w = need_w > kSliceMax;
-  // One host synchronization: both slice counts and both counts of rows left out.
-  const at::Tensor summary = at::stack({need_x.masked_fill(bad_x, 0).max(), bad_x.sum().to(at::kInt),
-                                        need_w.masked_fill(bad_w, 0).max(), bad_w.sum().to(at::kInt)})
-                                 .cpu();
-  const int32_t* sm = summary.data_ptr<int32_t>();
-  const int64_t Sx = sm[0], nbad_x = sm[1], Sw = sm[2], nbad_w = sm[3];
+  auto [nx, sum_x] = be.row_needs(x, bits);
+  auto [nw, sum_w] = be.row_needs(w, bits);
+  // One host synchronization: both operands' summaries (int_slices.h, kSum*).
+  const at::Tensor summary = at::cat({sum_x, sum_w}).cpu();
+  const int32_t* sx = summary.data_ptr<int32_t>();
+  const int32_t* sw = sx + kSumLen;
+  const int64_t nbad_x = sx[kSumBad], nbad_w = sw[kSumBad];
   // Auto mode: when most rows would be recomputed anyway, the long-accumulator kernel alone is cheaper.
   if (mode == kPathAuto && (2 * nbad_x > M || 2 * nbad_w > N)) return {};
 
-  // K chunk: int32 holds a diagonal's sum while pairs * Kc * 2^(2 bits - 2) < 2^31.
-  const int64_t pairs_max = std::max<int64_t>(1, std::min(Sx, Sw));
-  const int64_t kc_max = (kSliceIntBound / (pairs_max << (2 * bits - 2))) / 16 * 16;
-  const int64_t nch = (round_up(K, 16) + kc_max - 1) / kc_max;
-  const int64_t Kc = round_up((K + nch - 1) / nch, 16);
+  // The slice counts: from each operand's least up to kSliceMax, the pair with the least work
+  // (int8 multiply-adds plus be.term_macs per residue term) whose 128-bit combine is proven.
+  const int64_t Sx0 = sx[kSumNeed], Sw0 = sw[kSumNeed];
+  auto chunking = [&](int64_t Sa, int64_t Sb, int64_t* Kc_out, int64_t* nch_out) {
+    // K chunk: int32 holds a diagonal's sum while pairs * Kc * 2^(2 bits - 2) < 2^31.
+    const int64_t pairs = std::max<int64_t>(1, std::min(Sa, Sb));
+    const int64_t kc_max = (kSliceIntBound / (pairs << (2 * bits - 2))) / 16 * 16;
+    *nch_out = (round_up(K, 16) + kc_max - 1) / kc_max;
+    *Kc_out = round_up((K + *nch_out - 1) / *nch_out, 16);
+    return pairs;
+  };
+  auto wide_for = [&](int64_t Sa, int64_t Sb) {
+    int64_t kc, nc;
+    const int64_t pairs = chunking(Sa, Sb, &kc, &nc);
+    const int64_t Fmax = (Sa > 0 ? sx[kSumDepth + Sa - 1] : 0) + (Sb > 0 ? sw[kSumDepth + Sb - 1] : 0);
+    // |sum_d C_d 2^(bits d)| < 2^base; times 2^F, plus residue terms (each below
+    // 2^(F + bits S - 2), at most 2 kResidueCap of them) and a bias below 2^100: below 2^126
+    const int64_t base = ceil_log2(nc * kc) + ceil_log2(pairs) + bits * (Sa + Sb) - 1;
+    return base + Fmax <= 124 && Fmax + bits * std::max(Sa, Sb) + 4 <= 124;
+  };
+  int64_t Sx = Sx0, Sw = Sw0;
+  if (Sx0 > 0 && Sw0 > 0) {
+    double best = std::numeric_limits<double>::infinity();
+    bool best_wide = false;
+    for (int64_t a = Sx0; a <= kSliceMax; ++a) {
+      for (int64_t b = Sw0; b <= kSliceMax; ++b) {
+        const bool wd = wide_for(a, b);
+        const double cost = double(a * b) * double(M) * double(N) * double(K) +
+                            be.term_macs * (double(sx[kSumCount + a - 1]) * double(N) + double(sw[kSumCount + b - 1]) * double(M));
+        if ((wd && !best_wide) || (wd == best_wide && cost < best)) {
+          best = cost;
+          best_wide = wd;
+          Sx = a;
+          Sw = b;
+        }
+      }
+    }
+  }
+  const bool res_x = Sx > 0 && sx[kSumCount + Sx - 1] > 0, res_w = Sw > 0 && sw[kSumCount + Sw - 1] > 0;
+  last_slices_plan() = {Sx, Sw, Sx > 0 ? sx[kSumCount + Sx - 1] : 0, Sw > 0 ? sw[kSumCount + Sw - 1] : 0, nbad_x, nbad_w};
+
+  int64_t Kc, nch;
+  chunking(Sx, Sw, &Kc, &nch);
   const int64_t Mp = std::max<int64_t>(M, 17), Np = round_up(N, 8);  // cuBLASLt int8: M > 16, N % 8
   const int64_t D = (Sx > 0 && Sw > 0) ? Sx + Sw - 1 : 0, P = D * nch;
-  const bool wide = ceil_log2(nch * Kc) + ceil_log2(pairs_max) + bits * (Sx + Sw) - 1 <= 125;
+  const bool wide = Sx > 0 && Sw > 0 ? wide_for(Sx, Sw) : true;
 
-  auto [xs, shx] = be.make_slices(x, nx, Sx, bits, false, Kc, nch, Mp);
-  auto [ws, shw] = be.make_slices(w, nw, Sw, bits, true, Kc, nch, Np);
+  const SliceOperand xo = be.make_slices(x, nx, Sx, bits, false, Kc, nch, Mp, res_x);
+  const SliceOperand wo = be.make_slices(w, nw, Sw, bits, true, Kc, nch, Np, res_w);
+  const at::Tensor& xs = xo.q;
+  const at::Tensor& ws = wo.q;
   at::Tensor bd;
   if (bias.has_value()) bd = bias->to(at::kDouble).contiguous();
 
@@ -127,8 +213,8 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
         }
       }
     }
-    at::Tensor part = be.combine(C, M, nv, shx, shw.narrow(0, n0, nv), bd.defined() ? bd.narrow(0, n0, nv) : bd, D,
-                                 bits, wide, digits, out_dtype);
+    at::Tensor part = be.combine(C, M, nv, xo, wo.rows(n0, nv), bd.defined() ? bd.narrow(0, n0, nv) : bd, D, bits,
+                                 wide, digits, out_dtype);
     if (n0 == 0 && nv == N) {
       out = part;
     } else {
@@ -140,11 +226,11 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
 
   // Rows the slices could not hold exactly: the long-accumulator kernel, for those rows alone.
   if (nbad_x > 0) {
-    const at::Tensor idx = bad_x.nonzero().select(1, 0);
+    const at::Tensor idx = (nx.select(1, 1) > kSliceMax).nonzero().select(1, 0);
     out.index_copy_(0, idx, long_acc(x.index_select(0, idx), w, bias));
   }
   if (nbad_w > 0) {
-    const at::Tensor idx = bad_w.nonzero().select(1, 0);
+    const at::Tensor idx = (nw.select(1, 1) > kSliceMax).nonzero().select(1, 0);
     c10::optional<at::Tensor> bsel;
     if (bias.has_value()) bsel = bias->index_select(0, idx);
     out.index_copy_(1, idx, long_acc(x, w.index_select(0, idx), bsel));

@@ -10,7 +10,7 @@ import torch
 from conftest import assert_bitwise
 
 import gen
-from lightning_det.ops import det_gemm, det_gemm_partial, gemm_path
+from lightning_det.ops import det_gemm, det_gemm_partial, gemm_path, last_slices_plan
 from lightning_det.reference import longacc_ref as R
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -32,6 +32,43 @@ def assert_same_everywhere(x, w, bias=None, what=""):
         assert_bitwise(got, ref, f"{what} det_gemm out {od}: slices vs kernel")
     ref, got = both_paths(lambda: det_gemm_partial(x, w, bias))
     assert torch.equal(got, ref), f"{what} det_gemm_partial: slices digits differ from the kernel's"
+
+
+TINY = 1.5 * 2.0**-21  # bits at 2^-21 and 2^-22: in a row topped by 1.0, 3 slices end at 2^-21
+
+
+def planted_residue_operands(M=40, N=24, K=512, dtype=torch.bfloat16):
+    """Random rows plus 4 rows of x and of w whose one tiny value each lies one bit below a
+    3-slice window, so that out[:4, :4] = 1 + TINY + 1 + TINY shows any lost residue term."""
+    x, w = gen.normal((M, K), torch.float32, 30), gen.normal((N, K), torch.float32, 31)
+    x[:4], w[:4] = 0, 0
+    x[:4, 0], x[:4, 1], x[:4, 2], x[:4, 3] = 1, TINY, 1, 1  # x's residue meets w[:, 1] = 1
+    w[:4, 0], w[:4, 1], w[:4, 2], w[:4, 3] = 1, 1, 1, TINY  # w's meets x[:, 3] = 1
+    return x.to(dtype), w.to(dtype)
+
+
+def test_residues_keep_the_slices_few_and_the_bytes_exact():
+    x, w = planted_residue_operands()
+    with gemm_path("slices"):
+        got = det_gemm(x, w)
+        plan = last_slices_plan()
+    # without residues the planted rows need 4 slices (23 bits of span); with one residue each, 3
+    assert (plan["slices_x"], plan["slices_w"]) == (3, 3), plan
+    assert plan["residues_x"] >= 4 and plan["residues_w"] >= 4, plan
+    assert torch.all(got[:4, :4] == 2 + 2 * TINY), "a residue term went missing"
+    assert_bitwise(got, R.gemm_rounded(x, w, None, torch.float32), "slices vs Python reference")
+    assert_same_everywhere(x, w, gen.normal((24,), torch.float32, 32), "planted residues")
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_residue_route_on_random_rows(dt):
+    # randn rows of 700 values: a few values per row below the window the others need
+    x, w = gen.normal((64, 700), dt, 33), gen.normal((48, 700), dt, 34)
+    with gemm_path("slices"):
+        det_gemm(x, w)
+        plan = last_slices_plan()
+    assert plan["residues_x"] + plan["residues_w"] > 0, plan
+    assert_same_everywhere(x, w, gen.normal((48,), torch.float32, 35), f"{dt} random rows")
 
 
 def test_against_python_reference_odd_shape():
@@ -151,6 +188,25 @@ def test_cuda_slices_equal_kernel_and_cpu(dx, dw):
         assert torch.equal(got, ref), f"cuda digits {M}x{K}x{N}"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_residues_equal_cpu_and_kernel(monkeypatch):
+    for chunk_mib in ("256", "1"):  # one N-chunk, then chunks of 80 columns
+        monkeypatch.setenv("LIGHTNING_DET_SLICES_CHUNK_MIB", chunk_mib)
+        x, w = planted_residue_operands(M=600, N=100, K=2048)
+        b = gen.normal((100,), torch.float32, 36)
+        xc, wc, bc = x.cuda(), w.cuda(), b.cuda()
+        for od in OUT_DTYPES:
+            ref, got = both_paths(lambda: det_gemm(xc, wc, bc, out_dtype=od))
+            plan = last_slices_plan()
+            assert plan["residues_x"] >= 4 and plan["residues_w"] >= 4 and plan["slices_x"] == 3, plan
+            assert_bitwise(got.cpu(), ref.cpu(), f"cuda residues -> {od}, chunks {chunk_mib} MiB")
+            with gemm_path("slices"):
+                assert_bitwise(got.cpu(), det_gemm(x, w, b, out_dtype=od), f"cuda vs cpu residues -> {od}")
+        assert torch.all(det_gemm(xc, wc)[:4, :4].cpu() == 2 + 2 * TINY)
+        ref, got = both_paths(lambda: det_gemm_partial(xc, wc, bc))
+        assert torch.equal(got, ref), f"cuda residue digits, chunks {chunk_mib} MiB"
+
+
 @pytest.mark.parametrize("contiguous", ["0", "1"])
 def test_output_column_chunks_and_operand_copies(monkeypatch, contiguous):
     # a 1 MiB cap on the int32 diagonals cuts N into chunks of 8 columns; the copies variant hands
@@ -159,3 +215,7 @@ def test_output_column_chunks_and_operand_copies(monkeypatch, contiguous):
     monkeypatch.setenv("LIGHTNING_DET_SLICES_CONTIGUOUS", contiguous)
     x, w, b = gen.normal((600, 96), torch.float32, 15), gen.normal((45, 96), torch.bfloat16, 16), gen.normal((45,), torch.float32, 17)
     assert_same_everywhere(x, w, b, f"N chunks, contiguous={contiguous}")
+    # w's residue lists are cut with its rows: 3 + 3 slices, 600 rows -> chunks of 80 columns
+    xp, wp = planted_residue_operands(M=600, N=100, K=256)
+    assert_same_everywhere(xp, wp, None, f"N chunks with residues, contiguous={contiguous}")
+    assert last_slices_plan()["residues_w"] >= 4

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <mutex>
 #include <string>
 
 #include "int_slices_host.h"
@@ -18,13 +19,31 @@ namespace {
 // The kernels read the operands as they are (AT_DISPATCH over fp32 / bf16 / fp16): every value
 // widens to fp64 exactly (static_cast<double>), so fp64 copies of whole operands are not needed.
 
-at::Tensor row_needs_cpu(const at::Tensor& a, int64_t bits) {
+// Adds one row's plan to the operand summary (int_slices.h, kSum*).
+void add_row_to_summary(int need, const int* depth, const int* count, int32_t* sum) {
+  if (need == 0) return;  // a zero row: no slices, no residues
+  if (need > kSliceMax) {
+    ++sum[kSumBad];
+    return;
+  }
+  sum[kSumNeed] = std::max(sum[kSumNeed], need);
+  for (int s = need; s <= kSliceMax; ++s) {
+    sum[kSumDepth + s - 1] = std::max(sum[kSumDepth + s - 1], depth[s - 1]);
+    sum[kSumCount + s - 1] += count[s - 1];
+  }
+}
+
+std::pair<at::Tensor, at::Tensor> row_needs_cpu(const at::Tensor& a, int64_t bits) {
   const int64_t R = a.size(0), K = a.size(1);
-  at::Tensor out = at::empty({R, 2}, a.options().dtype(at::kInt));
+  at::Tensor out = at::empty({R, 3}, a.options().dtype(at::kInt));
+  at::Tensor summary = at::zeros({kSumLen}, a.options().dtype(at::kInt));
   int32_t* o = out.data_ptr<int32_t>();
+  int32_t* sum = summary.data_ptr<int32_t>();
+  std::mutex mu;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "row_needs_cpu", [&] {
     const scalar_t* p = a.data_ptr<scalar_t>();
     at::parallel_for(0, R, 16, [&](int64_t b, int64_t e) {
+      int32_t local[kSumLen] = {};
       for (int64_t r = b; r < e; ++r) {
         int hi = -32768, lo = 32767;
         bool bad = false;
@@ -38,54 +57,104 @@ at::Tensor row_needs_cpu(const at::Tensor& a, int64_t bits) {
           hi = std::max(hi, s.hi);
           lo = std::min(lo, s.lo);
         }
-        o[2 * r] = hi;
-        o[2 * r + 1] = bad ? kSliceNeedBad : slices_needed(hi, lo, int(bits));
+        int need = kSliceNeedBad, depth[kSliceMax], count[kSliceMax];
+        if (!bad) {
+          int hist[kNeedBins] = {};
+          for (int64_t k = 0; k < K && hi >= lo; ++k) {
+            const double v = static_cast<double>(p[r * K + k]);
+            if (v != 0.0) ++hist[need_bin(hi, exp_stat(v).lo, int(bits))];
+          }
+          need = row_plan(hist, hi, lo, int(bits), depth, count);
+        }
+        o[3 * r] = hi;
+        o[3 * r + 1] = need;
+        o[3 * r + 2] = lo;
+        add_row_to_summary(need, depth, count, local);
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      sum[kSumNeed] = std::max(sum[kSumNeed], local[kSumNeed]);
+      sum[kSumBad] += local[kSumBad];
+      for (int s = 0; s < kSliceMax; ++s) {
+        sum[kSumDepth + s] = std::max(sum[kSumDepth + s], local[kSumDepth + s]);
+        sum[kSumCount + s] += local[kSumCount + s];
       }
     });
   });
-  return out;
+  return {out, summary};
 }
 
-std::pair<at::Tensor, at::Tensor> make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64_t S,
-                                                  int64_t bits, bool reverse, int64_t Kc, int64_t nch, int64_t Rp) {
+SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64_t S, int64_t bits, bool reverse,
+                             int64_t Kc, int64_t nch, int64_t Rp, bool residues) {
   const int64_t R = a.size(0), K = a.size(1), width = nch * S * Kc;
-  at::Tensor out = at::zeros({Rp, width}, a.options().dtype(at::kChar));
-  at::Tensor sh = at::zeros({R}, a.options().dtype(at::kInt));
+  SliceOperand so = new_slice_operand(a, Rp, width, residues, /*zero_fill=*/true);
   const int32_t* nd = needs.data_ptr<int32_t>();
-  int8_t* o = out.data_ptr<int8_t>();
-  int32_t* so = sh.data_ptr<int32_t>();
+  int8_t* o = so.q.data_ptr<int8_t>();
+  int32_t* sho = so.sh.data_ptr<int32_t>();
+  int32_t* rc = residues ? so.rcount.data_ptr<int32_t>() : nullptr;
+  int32_t* ri = residues ? so.ridx.data_ptr<int32_t>() : nullptr;
+  double* rv = residues ? so.rval.data_ptr<double>() : nullptr;
+  int32_t* Fo = residues ? so.F.data_ptr<int32_t>() : nullptr;
   // slice 0 sits in slot 0 (x) or slot S-1 (w, reversed); consecutive slices one Kc apart
   const int64_t slot0 = reverse ? S - 1 : 0, step = reverse ? -Kc : Kc;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "make_slices_cpu", [&] {
     const scalar_t* p = a.data_ptr<scalar_t>();
     at::parallel_for(0, R, 16, [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
-        const int need = nd[2 * r + 1];
+        const int need = nd[3 * r + 1];
         if (need == 0 || need > S) continue;  // zero row, or left to the long-accumulator kernel
-        const int s = int(bits * S) - 3 - nd[2 * r];
-        so[r] = s;
-        const double scale = std::ldexp(1.0, s);  // v * 2^s is exact: an integer below 2^62
+        const int s = int(bits * S) - 3 - nd[3 * r];
+        sho[r] = s;
+        const double scale = pow2(s), unscale = pow2(-s);  // v * 2^s is exact (int_slices.h, step 1)
+        int nres = 0;
         for (int64_t c = 0; c < nch; ++c) {
           int8_t* base = o + r * width + (c * S + slot0) * Kc;
-          for (int64_t k = c * Kc, kk = 0; k < std::min(K, (c + 1) * Kc); ++k, ++kk)
-            slice_integer(int64_t(static_cast<double>(p[r * K + k]) * scale), int(S), int(bits), base + kk, step);
+          for (int64_t k = c * Kc, kk = 0; k < std::min(K, (c + 1) * Kc); ++k, ++kk) {
+            const double v = static_cast<double>(p[r * K + k]);
+            const int64_t X = int64_t(v * scale);
+            slice_integer(X, int(S), int(bits), base + kk, step);
+            if (residues && v != double(X) * unscale) {
+              // row_plan bounded this row's residues at S by kResidueCap
+              ri[r * kResidueCap + nres] = int32_t(k);
+              rv[r * kResidueCap + nres] = v - double(X) * unscale;  // exact: the bits below the window
+              ++nres;
+            }
+          }
+        }
+        if (residues) {
+          rc[r] = nres;
+          Fo[r] = nres > 0 ? (nd[3 * r] + 3 - int(bits * S)) - nd[3 * r + 2] : 0;
         }
       }
     });
   });
-  return {out, sh};
+  return so;
 }
 
-at::Tensor combine_cpu(const at::Tensor& C, int64_t M, int64_t Nv, const at::Tensor& shx, const at::Tensor& shw,
+// The combine's view of one operand's residues (null pointers when it has none).
+Residues residues_of(const SliceOperand& o) {
+  if (!o.rcount.defined()) return {nullptr, nullptr, nullptr, nullptr};
+  return {o.rcount.data_ptr<int32_t>(), o.ridx.data_ptr<int32_t>(), o.rval.data_ptr<double>(), o.F.data_ptr<int32_t>()};
+}
+
+Elems elems_of(const at::Tensor& a) {
+  const int kind = a.scalar_type() == at::kFloat ? kElemF32 : a.scalar_type() == at::kBFloat16 ? kElemBF16 : kElemF16;
+  return {a.data_ptr(), kind, a.stride(0)};
+}
+
+at::Tensor combine_cpu(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOperand& x, const SliceOperand& w,
                        const at::Tensor& bias, int64_t D, int64_t bits, bool wide, bool digits,
                        at::ScalarType out_dtype) {
   const int64_t P = C.size(0), Mp = C.size(1), Ncp = C.size(2);
+  const int nch = D > 0 ? int(P / D) : 0;
   const int fmt = out_format(out_dtype);
   at::Tensor out = digits ? at::empty({M, Nv, LDET_WORDS}, C.options().dtype(at::kLong))
                           : at::empty({M, Nv}, C.options().dtype(out_dtype));
   const int32_t* c = C.data_ptr<int32_t>();
-  const int32_t* sx = shx.data_ptr<int32_t>();
-  const int32_t* sw = shw.data_ptr<int32_t>();
+  const at::Tensor shw_c = w.sh.contiguous();
+  const int32_t* sx = x.sh.data_ptr<int32_t>();
+  const int32_t* sw = shw_c.data_ptr<int32_t>();
+  const Residues rx = residues_of(x), rw = residues_of(w);
+  const Elems ex = elems_of(x.a), ew = elems_of(w.a);
   const double* bp = bias.defined() ? bias.data_ptr<double>() : nullptr;
   void* o = out.data_ptr();
   at::parallel_for(0, M, 8, [&](int64_t b, int64_t e) {
@@ -93,13 +162,15 @@ at::Tensor combine_cpu(const at::Tensor& C, int64_t M, int64_t Nv, const at::Ten
       for (int64_t n = 0; n < Nv; ++n) {
         const int32_t* cp = c + m * Ncp + n;
         const int E = -(sx[m] + sw[n]);
+        const int F = (rx.F ? rx.F[m] : 0) + (rw.F ? rw.F[n] : 0);
         const double* bn = bp ? bp + n : nullptr;
+        auto terms = [&](auto&& f) { for_each_residue_term(rx, ex, sx[m], m, rw, ew, n, f); };
         if (digits) {
-          combine_output(cp, Mp * Ncp, int(P), int(D), int(bits), E, bn, wide, fmt, nullptr,
+          combine_output(cp, Mp * Ncp, nch, int(D), int(bits), E, F, bn, wide, fmt, terms, nullptr,
                          static_cast<int64_t*>(o) + (m * Nv + n) * LDET_WORDS);
         } else {
           float v;
-          combine_output(cp, Mp * Ncp, int(P), int(D), int(bits), E, bn, wide, fmt, &v, nullptr);
+          combine_output(cp, Mp * Ncp, nch, int(D), int(bits), E, F, bn, wide, fmt, terms, &v, nullptr);
           store_fmt(o, m * Nv + n, v, fmt);
         }
       }
@@ -133,7 +204,10 @@ const SliceBackend& slice_backend_cpu() {
   static const SliceBackend be{&row_needs_cpu, &make_slices_cpu, &combine_cpu, probe_bits(),
                                // 16-bit inputs: the kernel stays faster at every size measured
                                // (512^3 bf16: 8.6 ms against 16.6 ms), so never in auto mode
-                               int64_t(1) << 15, std::numeric_limits<int64_t>::max()};
+                               int64_t(1) << 15, std::numeric_limits<int64_t>::max(),
+                               // a residue term: ~2 ns on one core, against ~300 G int8
+                               // multiply-adds a second on two (NOTES "Session 7")
+                               2000.0};
   return be;
 }
 

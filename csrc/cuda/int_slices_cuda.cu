@@ -21,10 +21,15 @@ constexpr int kThreads = 256;
 
 unsigned grid_for(int64_t n) { return unsigned(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535 * 16)); }
 
-// One block per row: the row's largest exponent, lowest set bit and any inf/NaN, reduced.
+// One block per row: the row's largest exponent, lowest set bit and any inf/NaN, reduced; then
+// the histogram of its elements' needs (int_slices.h, need_bin) and its plan, which thread 0
+// writes and adds to the operand's summary.
 template <typename T>
-__global__ void row_needs_kernel(const T* __restrict__ a, int64_t R, int64_t K, int bits, int32_t* __restrict__ out) {
+__global__ void row_needs_kernel(const T* __restrict__ a, int64_t R, int64_t K, int bits, int32_t* __restrict__ out,
+                                 int32_t* __restrict__ sum) {
   __shared__ int s_hi[kRowThreads], s_lo[kRowThreads], s_bad[kRowThreads];
+  __shared__ int s_hist[kNeedBins];
+  const int lane = threadIdx.x & 31;
   for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
     int hi = -32768, lo = 32767, bad = 0;
     for (int64_t k = threadIdx.x; k < K; k += blockDim.x) {
@@ -40,6 +45,7 @@ __global__ void row_needs_kernel(const T* __restrict__ a, int64_t R, int64_t K, 
     s_hi[threadIdx.x] = hi;
     s_lo[threadIdx.x] = lo;
     s_bad[threadIdx.x] = bad;
+    if (threadIdx.x < kNeedBins) s_hist[threadIdx.x] = 0;
     __syncthreads();
     for (int st = blockDim.x / 2; st > 0; st >>= 1) {
       if (threadIdx.x < st) {
@@ -49,92 +55,171 @@ __global__ void row_needs_kernel(const T* __restrict__ a, int64_t R, int64_t K, 
       }
       __syncthreads();
     }
+    hi = s_hi[0];
+    lo = s_lo[0];
+    bad = s_bad[0];
+    if (!bad && hi >= lo) {
+      // every thread of the block runs the same iterations, so whole warps meet at the match
+      for (int64_t k0 = 0; k0 < K; k0 += blockDim.x) {
+        const int64_t k = k0 + threadIdx.x;
+        int bin = 0;
+        if (k < K) {
+          const double v = wide(a, r * K + k);
+          if (v != 0.0) bin = need_bin(hi, exp_stat(v).lo, bits);
+        }
+        const unsigned peers = __match_any_sync(0xffffffffu, bin);
+        if (bin != 0 && lane == __ffs(peers) - 1) atomicAdd(&s_hist[bin], __popc(peers));
+      }
+    }
+    __syncthreads();
     if (threadIdx.x == 0) {
-      out[2 * r] = s_hi[0];
-      out[2 * r + 1] = s_bad[0] ? kSliceNeedBad : slices_needed(s_hi[0], s_lo[0], bits);
+      int depth[kSliceMax], count[kSliceMax];
+      const int need = bad ? kSliceNeedBad : row_plan(s_hist, hi, lo, bits, depth, count);
+      out[3 * r] = hi;
+      out[3 * r + 1] = need;
+      out[3 * r + 2] = lo;
+      if (need > kSliceMax) {
+        atomicAdd(&sum[kSumBad], 1);
+      } else if (need > 0) {
+        atomicMax(&sum[kSumNeed], need);
+        for (int s = need; s <= kSliceMax; ++s) {
+          if (count[s - 1] == 0) break;  // fewer residues at every larger S
+          atomicMax(&sum[kSumDepth + s - 1], depth[s - 1]);
+          atomicAdd(&sum[kSumCount + s - 1], count[s - 1]);
+        }
+      }
     }
     __syncthreads();
   }
 }
 
+// One thread per element of the padded (Rp, nch * Kc) operand: its S digits (zeros for padding,
+// zero rows and rows left to the kernel), so the slices need no zero-fill first; residues go to
+// their row's list in any order (the combine's sum is exact, so the order cannot show).
 template <typename T>
-__global__ void make_slices_kernel(const T* __restrict__ a, const int32_t* __restrict__ needs, int64_t R, int64_t K,
-                                   int S, int bits, bool reverse, int64_t Kc, int64_t width, int8_t* __restrict__ out,
-                                   int32_t* __restrict__ sh) {
-  const int64_t n = R * K;
+__global__ void make_slices_kernel(const T* __restrict__ a, const int32_t* __restrict__ needs, int64_t R, int64_t Rp,
+                                   int64_t K, int S, int bits, bool reverse, int64_t Kc, int64_t nch,
+                                   int8_t* __restrict__ out, int32_t* __restrict__ sh, int32_t* __restrict__ rcount,
+                                   int32_t* __restrict__ ridx, double* __restrict__ rval, int32_t* __restrict__ F) {
+  const int64_t Kp = nch * Kc, width = Kp * S, n = Rp * Kp;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / K, k = i - r * K;
-    const int need = needs[2 * r + 1];
-    if (need == 0 || need > S) continue;  // zero row, or left to the long-accumulator kernel
-    const int s = bits * S - 3 - needs[2 * r];
-    if (k == 0) sh[r] = s;
+    const int64_t r = i / Kp, k = i - r * Kp;
     const int64_t c = k / Kc, kk = k - c * Kc;
     int8_t* dst = out + r * width + (c * S + (reverse ? S - 1 : 0)) * Kc + kk;
-    slice_digits(wide(a, i), s, S, bits, dst, reverse ? -Kc : Kc);
+    const int64_t step = reverse ? -Kc : Kc;
+    const int need = r < R ? needs[3 * r + 1] : 0;
+    const bool live = need > 0 && need <= S;  // else a zero row, padding or left to the kernel
+    const int s = live ? bits * S - 3 - needs[3 * r] : 0;
+    if (r < R && k == 0) {
+      sh[r] = s;
+      if (F != nullptr) F[r] = live ? max(0, needs[3 * r] + 3 - bits * S - needs[3 * r + 2]) : 0;
+    }
+    if (!live || k >= K) {
+      for (int q = 0; q < S; ++q) dst[q * step] = 0;
+      continue;
+    }
+    const double v = wide(a, r * K + k);
+    const int64_t X = window_integer(v, s);
+    slice_integer(X, S, bits, dst, step);
+    if (rcount != nullptr) {
+      const double x3 = double(X) * pow2(-s);
+      if (v != x3) {
+        // row_plan bounded this row's residues at S by kResidueCap
+        const int j = atomicAdd(&rcount[r], 1);
+        ridx[r * kResidueCap + j] = int32_t(k);
+        rval[r * kResidueCap + j] = v - x3;  // exact: the bits below the window
+      }
+    }
   }
 }
 
-__global__ void combine_kernel(const int32_t* __restrict__ C, int64_t P, int64_t Mp, int64_t Ncp, int64_t M,
-                               int64_t Nv, const int32_t* __restrict__ shx, const int32_t* __restrict__ shw,
-                               const double* __restrict__ bias, int D, int bits, bool wide_ok, bool digits, int fmt,
-                               void* __restrict__ out) {
+struct KernelOperand {
+  Residues res;
+  Elems elems;
+  const int32_t* sh;
+};
+
+__global__ void combine_kernel(const int32_t* __restrict__ C, int nch, int64_t Mp, int64_t Ncp, int64_t M, int64_t Nv,
+                               KernelOperand x, KernelOperand w, const double* __restrict__ bias, int D, int bits,
+                               bool wide_ok, bool digits, int fmt, void* __restrict__ out) {
   const int64_t n_out = M * Nv;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n_out; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t m = i / Nv, n = i - m * Nv;
     const int32_t* cp = C + m * Ncp + n;
-    const int E = -(shx[m] + shw[n]);
+    const int shx = x.sh[m];
+    const int E = -(shx + w.sh[n]);
+    const int F = (x.res.F ? x.res.F[m] : 0) + (w.res.F ? w.res.F[n] : 0);
     const double* bn = bias ? bias + n : nullptr;
+    auto terms = [=](auto&& f) { for_each_residue_term(x.res, x.elems, shx, m, w.res, w.elems, n, f); };
     if (digits) {
-      combine_output(cp, Mp * Ncp, int(P), D, bits, E, bn, wide_ok, fmt, nullptr,
+      combine_output(cp, Mp * Ncp, nch, D, bits, E, F, bn, wide_ok, fmt, terms, nullptr,
                      static_cast<int64_t*>(out) + i * LDET_WORDS);
     } else {
       float v;
-      combine_output(cp, Mp * Ncp, int(P), D, bits, E, bn, wide_ok, fmt, &v, nullptr);
+      combine_output(cp, Mp * Ncp, nch, D, bits, E, F, bn, wide_ok, fmt, terms, &v, nullptr);
       store_fmt(out, i, v, fmt);
     }
   }
 }
 
-at::Tensor row_needs_cuda(const at::Tensor& a, int64_t bits) {
+std::pair<at::Tensor, at::Tensor> row_needs_cuda(const at::Tensor& a, int64_t bits) {
   const int64_t R = a.size(0), K = a.size(1);
-  at::Tensor out = at::empty({R, 2}, a.options().dtype(at::kInt));
-  const unsigned grid = unsigned(std::min<int64_t>(R, 65535 * 4));
-  with_elements(a, [&](auto* p) {
-    row_needs_kernel<<<grid, kRowThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p, R, K, int(bits),
-                                                                                   out.data_ptr<int32_t>());
-  });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return out;
-}
-
-std::pair<at::Tensor, at::Tensor> make_slices_cuda(const at::Tensor& a, const at::Tensor& needs, int64_t S,
-                                                   int64_t bits, bool reverse, int64_t Kc, int64_t nch, int64_t Rp) {
-  const int64_t R = a.size(0), K = a.size(1), width = nch * S * Kc;
-  at::Tensor out = at::zeros({Rp, width}, a.options().dtype(at::kChar));
-  at::Tensor sh = at::zeros({R}, a.options().dtype(at::kInt));
-  if (S > 0 && R * K > 0) {
+  at::Tensor out = at::empty({R, 3}, a.options().dtype(at::kInt));
+  at::Tensor sum = at::zeros({kSumLen}, a.options().dtype(at::kInt));
+  if (R > 0) {
+    const unsigned grid = unsigned(std::min<int64_t>(R, 65535 * 4));
     with_elements(a, [&](auto* p) {
-      make_slices_kernel<<<grid_for(R * K), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-          p, needs.data_ptr<int32_t>(), R, K, int(S), int(bits), reverse, Kc, width, out.data_ptr<int8_t>(),
-          sh.data_ptr<int32_t>());
+      row_needs_kernel<<<grid, kRowThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+          p, R, K, int(bits), out.data_ptr<int32_t>(), sum.data_ptr<int32_t>());
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  return {out, sh};
+  return {out, sum};
 }
 
-at::Tensor combine_cuda(const at::Tensor& C, int64_t M, int64_t Nv, const at::Tensor& shx, const at::Tensor& shw,
+SliceOperand make_slices_cuda(const at::Tensor& a, const at::Tensor& needs, int64_t S, int64_t bits, bool reverse,
+                              int64_t Kc, int64_t nch, int64_t Rp, bool residues) {
+  const int64_t R = a.size(0), K = a.size(1), width = nch * S * Kc;
+  SliceOperand so = new_slice_operand(a, Rp, width, residues, /*zero_fill=*/false);
+  if (S == 0) {
+    so.sh.zero_();
+    return so;
+  }
+  with_elements(a, [&](auto* p) {
+    make_slices_kernel<<<grid_for(Rp * nch * Kc), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        p, needs.data_ptr<int32_t>(), R, Rp, K, int(S), int(bits), reverse, Kc, nch, so.q.data_ptr<int8_t>(),
+        so.sh.data_ptr<int32_t>(), residues ? so.rcount.data_ptr<int32_t>() : nullptr,
+        residues ? so.ridx.data_ptr<int32_t>() : nullptr, residues ? so.rval.data_ptr<double>() : nullptr,
+        residues ? so.F.data_ptr<int32_t>() : nullptr);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return so;
+}
+
+KernelOperand kernel_operand(const SliceOperand& o, const at::Tensor& sh_c) {
+  KernelOperand k;
+  k.res = o.rcount.defined() ? Residues{o.rcount.data_ptr<int32_t>(), o.ridx.data_ptr<int32_t>(),
+                                        o.rval.data_ptr<double>(), o.F.data_ptr<int32_t>()}
+                             : Residues{nullptr, nullptr, nullptr, nullptr};
+  const auto st = o.a.scalar_type();
+  k.elems = Elems{o.a.data_ptr(), st == at::kFloat ? kElemF32 : st == at::kBFloat16 ? kElemBF16 : kElemF16,
+                  o.a.stride(0)};
+  k.sh = sh_c.data_ptr<int32_t>();
+  return k;
+}
+
+at::Tensor combine_cuda(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOperand& x, const SliceOperand& w,
                         const at::Tensor& bias, int64_t D, int64_t bits, bool wide_ok, bool digits,
                         at::ScalarType out_dtype) {
   const int fmt = out_format(out_dtype);
   at::Tensor out = digits ? at::empty({M, Nv, LDET_WORDS}, C.options().dtype(at::kLong))
                           : at::empty({M, Nv}, C.options().dtype(out_dtype));
-  const at::Tensor shw_c = shw.contiguous();
+  const at::Tensor shx_c = x.sh.contiguous(), shw_c = w.sh.contiguous();
   if (M * Nv > 0) {
+    const int nch = D > 0 ? int(C.size(0) / D) : 0;
     combine_kernel<<<grid_for(M * Nv), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        C.data_ptr<int32_t>(), C.size(0), C.size(1), C.size(2), M, Nv, shx.data_ptr<int32_t>(),
-        shw_c.data_ptr<int32_t>(), bias.defined() ? bias.data_ptr<double>() : nullptr, int(D), int(bits), wide_ok,
-        digits, fmt, out.data_ptr());
+        C.data_ptr<int32_t>(), nch, C.size(1), C.size(2), M, Nv, kernel_operand(x, shx_c), kernel_operand(w, shw_c),
+        bias.defined() ? bias.data_ptr<double>() : nullptr, int(D), int(bits), wide_ok, digits, fmt, out.data_ptr());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return out;
@@ -147,7 +232,10 @@ const SliceBackend& slice_backend_cuda() {
   static const SliceBackend be{&row_needs_cuda, &make_slices_cuda, &combine_cuda, 8,
                                // bf16 at 1024^3: kernel 0.52x, slices 0.14x torch.mm fp32 (fixed costs);
                                // at 4096^3: 0.57x against 0.68x
-                               int64_t(1) << 18, int64_t(1) << 34};
+                               int64_t(1) << 18, int64_t(1) << 34,
+                               // a residue term (~10 instructions, scattered reads) against ~10^15
+                               // int8 multiply-adds a second (NOTES "Session 7")
+                               10000.0};
   return be;
 }
 

@@ -1,7 +1,9 @@
 // Schemas of the exact GEMM ops. Implementations: csrc/cpu/gemm_cpu.cpp, csrc/cuda/gemm_cuda.cu.
 #include <torch/library.h>
 
+#include <array>
 #include <atomic>
+#include <vector>
 
 #include "int_slices_host.h"
 
@@ -19,6 +21,18 @@ int64_t set_gemm_path(int64_t path) {
 }  // namespace
 
 int gemm_path() { return g_gemm_path.load(std::memory_order_relaxed); }
+
+std::array<int64_t, 6>& last_slices_plan() {
+  thread_local std::array<int64_t, 6> plan{};
+  return plan;
+}
+
+namespace {
+std::vector<int64_t> last_slices_plan_op() {
+  const auto& p = last_slices_plan();
+  return std::vector<int64_t>(p.begin(), p.end());
+}
+}  // namespace
 }  // namespace ldet
 
 TORCH_LIBRARY_FRAGMENT(ldet, m) {
@@ -33,4 +47,7 @@ TORCH_LIBRARY_FRAGMENT(ldet, m) {
   m.def("gemm(Tensor x, Tensor w, Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor");
   // Route switch for tests and benchmarks (csrc/int_slices_host.h): returns the previous route.
   m.def("set_gemm_path(int path) -> int", &ldet::set_gemm_path);
+  // The last slices GEMM of this thread: [Sx, Sw, x residues, w residues, x rows and w rows left
+  // to the kernel] (tests and benchmarks; zeros before any).
+  m.def("last_slices_plan() -> int[]", &ldet::last_slices_plan_op);
 }

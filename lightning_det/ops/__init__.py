@@ -8,6 +8,7 @@ from .longacc import (
     det_gemm_partial,
     det_normalize,
     gemm_path,
+    last_slices_plan,
     to_digits,
 )
 
@@ -20,5 +21,6 @@ __all__ = [
     "det_normalize",
     "det_all_reduce",
     "gemm_path",
+    "last_slices_plan",
     "to_digits",
 ]

@@ -155,6 +155,19 @@ def gemm_path(path: str) -> Iterator[None]:
         _ops().set_gemm_path(prev)
 
 
+def last_slices_plan() -> dict:
+    """How this thread's last det_gemm / det_gemm_partial on the integer slices was cut.
+
+    Returns a dict: ``slices_x``, ``slices_w`` (int8 digits per value of x and of w),
+    ``residues_x``, ``residues_w`` (values kept out of the digits, whose products the combine adds
+    exactly, csrc/int_slices.h) and ``kernel_rows_x``, ``kernel_rows_w`` (rows left to the
+    long-accumulator kernel). All zeros before any such call. For tests and benchmarks: the bytes
+    of a result never depend on it.
+    """
+    keys = ("slices_x", "slices_w", "residues_x", "residues_w", "kernel_rows_x", "kernel_rows_w")
+    return dict(zip(keys, (int(v) for v in _ops().last_slices_plan())))
+
+
 def det_gemm_partial(
     x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *, _norm_interval: int = 0
 ) -> LongAcc:

@@ -1,0 +1,64 @@
+"""Where a det_gemm call's device time goes, kernel by kernel (torch.profiler), for the integer
+slices route at 4096^3 on random normal data. Not a benchmark (benchmarks/gemm.py is): it names
+the kernels that the timings of gemm.py add up.
+
+    python3 benchmarks/profile_slices.py --out benchmarks/results/h200-slices-profile.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import header  # noqa: E402
+from lightning_det.ops import det_gemm, last_slices_plan  # noqa: E402
+
+
+def kernel_table(prof, calls):
+    """Device microseconds per call for each kernel name (summed over its launches)."""
+    per = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name][0] += e.device_time / calls
+            per[e.name][1] += 1
+    rows = [{"kernel": k[:160], "us_per_call": round(v[0], 1), "launches_per_call": v[1] / calls} for k, v in per.items()]
+    return sorted(rows, key=lambda r: -r["us_per_call"])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=4096)
+    p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    out = {**header("cuda"), "n": a.n, "calls": a.calls, "cases": []}
+    for dt in (torch.bfloat16, torch.float32):
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(a.n, a.n, generator=g).to(dt).cuda()
+        w = torch.randn(a.n, a.n, generator=g).to(dt).cuda()
+        det_gemm(x, w)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(a.calls):
+                det_gemm(x, w)
+            torch.cuda.synchronize()
+        table = kernel_table(prof, a.calls)
+        total = sum(r["us_per_call"] for r in table)
+        case = {"dtype": str(dt).replace("torch.", ""), "plan": last_slices_plan(), "device_us_per_call": round(total, 1),
+                "kernels": table}
+        out["cases"].append(case)
+        print(f"{case['dtype']}: {total:.0f} us of device time per call, plan {case['plan']}")
+        for r in table[:12]:
+            print(f"  {r['us_per_call']:9.1f} us  x{r['launches_per_call']:.0f}  {r['kernel'][:110]}")
+    Path(a.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
