@@ -39,9 +39,9 @@ namespace ldet {
 // The fallback of the combine is a call, not inlined: its long accumulator (152 bytes of digits)
 // would otherwise sit in the stack frame of every thread of the fast path.
 #if defined(__CUDACC__)
-#define LDET_HD_NOINLINE __host__ __device__ __noinline__
+#define LDET_HD_NOINLINE __host__ __device__ __noinline__ inline
 #else
-#define LDET_HD_NOINLINE __attribute__((noinline))
+#define LDET_HD_NOINLINE __attribute__((noinline)) inline
 #endif
 
 constexpr int kSliceMax = 8;         // slices per operand; X then needs 8 * 8 - 2 = 62 bits
@@ -89,15 +89,18 @@ LDET_HD int row_plan(const int* hist, int hi, int lo, int bits, int* depth, int*
   return need;
 }
 
+// The least significant balanced digit of X, which then drops it (X becomes (X - d) / 2^bits).
+LDET_HD int8_t next_digit(int64_t& X, int bits) {
+  const int64_t half = int64_t(1) << (bits - 1), mask = (int64_t(1) << bits) - 1;
+  const int64_t d = ((X + half) & mask) - half;
+  X = (X - d) >> bits;  // exact: X - d is a multiple of 2^bits
+  return int8_t(d);
+}
+
 // Writes the S balanced digits of the integer X to dst[s * stride] for s = 0..S-1 (least
 // significant first).
 LDET_HD void slice_integer(int64_t X, int S, int bits, int8_t* dst, int64_t stride) {
-  const int64_t half = int64_t(1) << (bits - 1), mask = (int64_t(1) << bits) - 1;
-  for (int s = 0; s < S; ++s) {
-    const int64_t d = ((X + half) & mask) - half;
-    dst[s * stride] = int8_t(d);
-    X = (X - d) >> bits;  // exact: X - d is a multiple of 2^bits
-  }
+  for (int s = 0; s < S; ++s) dst[s * stride] = next_digit(X, bits);
 }
 
 // 2^e exactly, for e in [-1022, 1023].
@@ -144,27 +147,36 @@ struct Residues {
   const int32_t* F;
 };
 
-// Calls f(t) for each residue term of output (m, n): xr[m,k] * w[n,k] for x's residues and
-// x3[m,k] * wr[n,k] for w's (x3: x's window part, so that no product is counted twice).
-template <class Fn>
-LDET_HD void for_each_residue_term(const Residues& rx, const Elems& x, int shx, int64_t m, const Residues& rw,
-                                   const Elems& w, int64_t n, Fn&& f) {
-  if (rx.count != nullptr) {
-    const int c = rx.count[m];
-    for (int j = 0; j < c; ++j) {
-      const int64_t s = m * kResidueCap + j;
-      f(rx.val[s] * w.at(n, rx.idx[s]));
+// The residue terms of one output (m, n): xr[m,k] * w[n,k] for x's residues and x3[m,k] * wr[n,k]
+// for w's (x3: x's window part, so that no product is counted twice). each(f) calls f on each.
+// Passed by value: the combine's out-of-line fallback then takes no address of the caller's locals.
+struct ResidueTerms {
+  Residues rx;
+  Elems x;
+  int shx;
+  int64_t m;
+  Residues rw;
+  Elems w;
+  int64_t n;
+  template <class Fn>
+  LDET_HD void each(Fn&& f) const {
+    if (rx.count != nullptr) {
+      const int c = rx.count[m];
+      for (int j = 0; j < c; ++j) {
+        const int64_t s = m * kResidueCap + j;
+        f(rx.val[s] * w.at(n, rx.idx[s]));
+      }
+    }
+    if (rw.count != nullptr) {
+      const int c = rw.count[n];
+      for (int j = 0; j < c; ++j) {
+        const int64_t s = n * kResidueCap + j;
+        const double x3 = double(window_integer(x.at(m, rw.idx[s]), shx)) * pow2(-shx);
+        f(x3 * rw.val[s]);
+      }
     }
   }
-  if (rw.count != nullptr) {
-    const int c = rw.count[n];
-    for (int j = 0; j < c; ++j) {
-      const int64_t s = n * kResidueCap + j;
-      const double x3 = double(window_integer(x.at(m, rw.idx[s]), shx)) * pow2(-shx);
-      f(x3 * rw.val[s]);
-    }
-  }
-}
+};
 
 #if defined(__SIZEOF_INT128__)
 using i128 = __int128;
@@ -232,9 +244,8 @@ LDET_HD bool add_units(u128& T, double b, int Eu, int max_bits) {
 
 // The long-accumulator route of one output (combine_output's fallback): every int32 diagonal sum,
 // residue term and the bias added exactly as fp64 values.
-template <class Terms>
 LDET_HD_NOINLINE void combine_output_digits(const int32_t* c, int64_t pstride, int nch, int D, int bits, int E,
-                                            const double* bias, int fmt, const Terms& terms, float* out_val,
+                                            const double* bias, int fmt, ResidueTerms terms, float* out_val,
                                             int64_t* acc_out) {
   int64_t acc[LDET_WORDS];
   zero(acc);
@@ -244,7 +255,7 @@ LDET_HD_NOINLINE void combine_output_digits(const int32_t* c, int64_t pstride, i
       if (v) add_double(acc, ldexp(double(v), E + bits * d));  // exact (header comment, step 2)
     }
   }
-  terms([&](double t) { add_double(acc, t); });  // exact products of parts of the inputs
+  terms.each([&](double t) { add_double(acc, t); });  // exact products of parts of the inputs
   if (bias != nullptr) add_value(acc, *bias);
   normalize(acc);
   if (acc_out != nullptr) {
@@ -255,13 +266,12 @@ LDET_HD_NOINLINE void combine_output_digits(const int32_t* c, int64_t pstride, i
 }
 
 // One output of the combine. c[(ch * D + d) * pstride] are the int32 diagonal sums of K-chunk ch;
-// their exact sum times 2^E, the residue terms (terms(f) calls f on each) and bias (may be null)
+// their exact sum times 2^E, the residue terms and bias (may be null)
 // are rounded to fmt (acc_out == null) or stored as canonical digits in acc_out. F: bits the
 // output's residues reach below 2^E. `wide` says the caller proved the 128-bit sum in units of
 // 2^(E - F) stays below 2^126, so that route cannot overflow.
-template <class Terms>
 LDET_HD void combine_output(const int32_t* c, int64_t pstride, int nch, int D, int bits, int E, int F,
-                            const double* bias, bool wide, int fmt, const Terms& terms, float* out_val,
+                            const double* bias, bool wide, int fmt, const ResidueTerms& terms, float* out_val,
                             int64_t* acc_out) {
 #if defined(__SIZEOF_INT128__)
   if (acc_out == nullptr && wide) {
@@ -276,7 +286,7 @@ LDET_HD void combine_output(const int32_t* c, int64_t pstride, int nch, int D, i
     const int Eu = E - F;
     // the bias joins T when it is an integer number of units below 2^100 of them
     bool ok = bias == nullptr || *bias == 0.0 || add_units(T, *bias, Eu, 100);
-    if (ok) terms([&](double t) { ok = ok && add_units(T, t, Eu, 124); });
+    if (ok) terms.each([&](double t) { ok = ok && add_units(T, t, Eu, 124); });
     if (ok) {
       const i128 Ts = i128(T);
       if (Ts == 0) {

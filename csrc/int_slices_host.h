@@ -193,8 +193,12 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
   // copies instead of column views (benchmarks: which kernels cuBLASLt then picks).
   const char* contig_env = std::getenv("LIGHTNING_DET_SLICES_CONTIGUOUS");
   const bool contig = contig_env != nullptr && std::string(contig_env) == "1";
+  // Chunks of equal width in multiples of 256 columns where N allows: cuBLASLt took its sm80
+  // kernels at 1/4 of the sm90 ones' speed on a 3272-column chunk (NOTES "Session 7").
   const int64_t per_col = std::max<int64_t>(1, P) * Mp * 4;
-  const int64_t Nc = std::min(Np, std::max<int64_t>(8, ((cap_mib << 20) / per_col) / 8 * 8));
+  const int64_t nc_cap = std::max<int64_t>(8, ((cap_mib << 20) / per_col) / 8 * 8);
+  const int64_t n_chunks = (Np + nc_cap - 1) / nc_cap;
+  const int64_t Nc = std::min(Np, round_up((Np + n_chunks - 1) / n_chunks, Np >= 256 * n_chunks ? 256 : 8));
   at::Tensor out;
   for (int64_t n0 = 0; n0 < N; n0 += Nc) {
     const int64_t ncp = std::min(Nc, Np - n0), nv = std::min(Nc, N - n0);

@@ -164,7 +164,7 @@ at::Tensor combine_cpu(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOp
         const int E = -(sx[m] + sw[n]);
         const int F = (rx.F ? rx.F[m] : 0) + (rw.F ? rw.F[n] : 0);
         const double* bn = bp ? bp + n : nullptr;
-        auto terms = [&](auto&& f) { for_each_residue_term(rx, ex, sx[m], m, rw, ew, n, f); };
+        const ResidueTerms terms{rx, ex, sx[m], m, rw, ew, n};
         if (digits) {
           combine_output(cp, Mp * Ncp, nch, int(D), int(bits), E, F, bn, wide, fmt, terms, nullptr,
                          static_cast<int64_t*>(o) + (m * Nv + n) * LDET_WORDS);

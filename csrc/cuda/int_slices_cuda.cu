@@ -93,42 +93,56 @@ __global__ void row_needs_kernel(const T* __restrict__ a, int64_t R, int64_t K, 
   }
 }
 
-// One thread per element of the padded (Rp, nch * Kc) operand: its S digits (zeros for padding,
-// zero rows and rows left to the kernel), so the slices need no zero-fill first; residues go to
-// their row's list in any order (the combine's sum is exact, so the order cannot show).
+// Block row blockIdx.y slices operand rows r; each thread 4 consecutive elements of the padded
+// (Rp, nch * Kc) operand (Kc % 16 == 0: they share a chunk), written as one 32-bit word per slice.
+// Zeros for padding, zero rows and rows left to the kernel, so the slices need no zero-fill first;
+// residues go to their row's list in any order (the combine's sum is exact: the order cannot show).
 template <typename T>
 __global__ void make_slices_kernel(const T* __restrict__ a, const int32_t* __restrict__ needs, int64_t R, int64_t Rp,
                                    int64_t K, int S, int bits, bool reverse, int64_t Kc, int64_t nch,
                                    int8_t* __restrict__ out, int32_t* __restrict__ sh, int32_t* __restrict__ rcount,
                                    int32_t* __restrict__ ridx, double* __restrict__ rval, int32_t* __restrict__ F) {
-  const int64_t Kp = nch * Kc, width = Kp * S, n = Rp * Kp;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / Kp, k = i - r * Kp;
-    const int64_t c = k / Kc, kk = k - c * Kc;
-    int8_t* dst = out + r * width + (c * S + (reverse ? S - 1 : 0)) * Kc + kk;
-    const int64_t step = reverse ? -Kc : Kc;
+  const int64_t Kp = nch * Kc, width = Kp * S;
+  const int64_t step = reverse ? -Kc : Kc;
+  for (int64_t r = blockIdx.y; r < Rp; r += gridDim.y) {
     const int need = r < R ? needs[3 * r + 1] : 0;
     const bool live = need > 0 && need <= S;  // else a zero row, padding or left to the kernel
     const int s = live ? bits * S - 3 - needs[3 * r] : 0;
-    if (r < R && k == 0) {
+    if (r < R && blockIdx.x == 0 && threadIdx.x == 0) {
       sh[r] = s;
       if (F != nullptr) F[r] = live ? max(0, needs[3 * r] + 3 - bits * S - needs[3 * r + 2]) : 0;
     }
-    if (!live || k >= K) {
-      for (int q = 0; q < S; ++q) dst[q * step] = 0;
-      continue;
-    }
-    const double v = wide(a, r * K + k);
-    const int64_t X = window_integer(v, s);
-    slice_integer(X, S, bits, dst, step);
-    if (rcount != nullptr) {
-      const double x3 = double(X) * pow2(-s);
-      if (v != x3) {
-        // row_plan bounded this row's residues at S by kResidueCap
-        const int j = atomicAdd(&rcount[r], 1);
-        ridx[r * kResidueCap + j] = int32_t(k);
-        rval[r * kResidueCap + j] = v - x3;  // exact: the bits below the window
+    for (int64_t k4 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4; k4 < Kp;
+         k4 += int64_t(gridDim.x) * blockDim.x * 4) {
+      const int64_t c = k4 / Kc, kk = k4 - c * Kc;
+      int8_t* dst = out + r * width + (c * S + (reverse ? S - 1 : 0)) * Kc + kk;
+      uint32_t words[kSliceMax];
+#pragma unroll
+      for (int q = 0; q < kSliceMax; ++q) words[q] = 0;
+      if (live) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int64_t k = k4 + e;
+          if (k >= K) break;
+          const double v = wide(a, r * K + k);
+          int64_t X = window_integer(v, s);
+          if (rcount != nullptr) {
+            const double x3 = double(X) * pow2(-s);
+            if (v != x3) {
+              // row_plan bounded this row's residues at S by kResidueCap
+              const int j = atomicAdd(&rcount[r], 1);
+              ridx[r * kResidueCap + j] = int32_t(k);
+              rval[r * kResidueCap + j] = v - x3;  // exact: the bits below the window
+            }
+          }
+#pragma unroll
+          for (int q = 0; q < kSliceMax; ++q)
+            if (q < S) words[q] |= uint32_t(uint8_t(next_digit(X, bits))) << (8 * e);
+        }
       }
+#pragma unroll
+      for (int q = 0; q < kSliceMax; ++q)
+        if (q < S) *reinterpret_cast<uint32_t*>(dst + q * step) = words[q];
     }
   }
 }
@@ -139,25 +153,30 @@ struct KernelOperand {
   const int32_t* sh;
 };
 
-__global__ void combine_kernel(const int32_t* __restrict__ C, int nch, int64_t Mp, int64_t Ncp, int64_t M, int64_t Nv,
-                               KernelOperand x, KernelOperand w, const double* __restrict__ bias, int D, int bits,
-                               bool wide_ok, bool digits, int fmt, void* __restrict__ out) {
-  const int64_t n_out = M * Nv;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n_out; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t m = i / Nv, n = i - m * Nv;
-    const int32_t* cp = C + m * Ncp + n;
+// Block row blockIdx.y handles output rows m (x's row data is uniform across the block), threads
+// run along n: no 64-bit division per output, coalesced reads of the diagonals.
+__global__ void __launch_bounds__(kThreads) combine_kernel(const int32_t* __restrict__ C, int nch, int64_t Mp,
+                                                          int64_t Ncp, int64_t M, int64_t Nv, KernelOperand x,
+                                                          KernelOperand w, const double* __restrict__ bias, int D,
+                                                          int bits, bool wide_ok, bool digits, int fmt,
+                                                          void* __restrict__ out) {
+  for (int64_t m = blockIdx.y; m < M; m += gridDim.y) {
     const int shx = x.sh[m];
-    const int E = -(shx + w.sh[n]);
-    const int F = (x.res.F ? x.res.F[m] : 0) + (w.res.F ? w.res.F[n] : 0);
-    const double* bn = bias ? bias + n : nullptr;
-    auto terms = [=](auto&& f) { for_each_residue_term(x.res, x.elems, shx, m, w.res, w.elems, n, f); };
-    if (digits) {
-      combine_output(cp, Mp * Ncp, nch, D, bits, E, F, bn, wide_ok, fmt, terms, nullptr,
-                     static_cast<int64_t*>(out) + i * LDET_WORDS);
-    } else {
-      float v;
-      combine_output(cp, Mp * Ncp, nch, D, bits, E, F, bn, wide_ok, fmt, terms, &v, nullptr);
-      store_fmt(out, i, v, fmt);
+    const int Fx = x.res.F ? x.res.F[m] : 0;
+    for (int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; n < Nv; n += int64_t(gridDim.x) * blockDim.x) {
+      const int64_t i = m * Nv + n;
+      const int E = -(shx + w.sh[n]);
+      const int F = Fx + (w.res.F ? w.res.F[n] : 0);
+      const double* bn = bias ? bias + n : nullptr;
+      const ResidueTerms terms{x.res, x.elems, shx, m, w.res, w.elems, n};
+      if (digits) {
+        combine_output(C + m * Ncp + n, Mp * Ncp, nch, D, bits, E, F, bn, wide_ok, fmt, terms, nullptr,
+                       static_cast<int64_t*>(out) + i * LDET_WORDS);
+      } else {
+        float v;
+        combine_output(C + m * Ncp + n, Mp * Ncp, nch, D, bits, E, F, bn, wide_ok, fmt, terms, &v, nullptr);
+        store_fmt(out, i, v, fmt);
+      }
     }
   }
 }
@@ -186,7 +205,9 @@ SliceOperand make_slices_cuda(const at::Tensor& a, const at::Tensor& needs, int6
     return so;
   }
   with_elements(a, [&](auto* p) {
-    make_slices_kernel<<<grid_for(Rp * nch * Kc), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+    const dim3 grid(unsigned(std::min<int64_t>((nch * Kc / 4 + kThreads - 1) / kThreads, 65535)),
+                    unsigned(std::min<int64_t>(Rp, 65535)));
+    make_slices_kernel<<<grid, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         p, needs.data_ptr<int32_t>(), R, Rp, K, int(S), int(bits), reverse, Kc, nch, so.q.data_ptr<int8_t>(),
         so.sh.data_ptr<int32_t>(), residues ? so.rcount.data_ptr<int32_t>() : nullptr,
         residues ? so.ridx.data_ptr<int32_t>() : nullptr, residues ? so.rval.data_ptr<double>() : nullptr,
@@ -217,7 +238,9 @@ at::Tensor combine_cuda(const at::Tensor& C, int64_t M, int64_t Nv, const SliceO
   const at::Tensor shx_c = x.sh.contiguous(), shw_c = w.sh.contiguous();
   if (M * Nv > 0) {
     const int nch = D > 0 ? int(C.size(0) / D) : 0;
-    combine_kernel<<<grid_for(M * Nv), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+    const dim3 grid(unsigned(std::min<int64_t>((Nv + kThreads - 1) / kThreads, 65535)),
+                    unsigned(std::min<int64_t>(M, 65535)));
+    combine_kernel<<<grid, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         C.data_ptr<int32_t>(), nch, C.size(1), C.size(2), M, Nv, kernel_operand(x, shx_c), kernel_operand(w, shw_c),
         bias.defined() ? bias.data_ptr<double>() : nullptr, int(D), int(bits), wide_ok, digits, fmt, out.data_ptr());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
