@@ -47,6 +47,7 @@ namespace ldet {
 constexpr int kSliceMax = 8;         // slices per operand; X then needs 8 * 8 - 2 = 62 bits
 constexpr int kSliceNeedBad = 127;   // "needs" value of a row left to the long-accumulator kernel
 constexpr int64_t kSliceIntBound = (int64_t(1) << 31) - 1;
+constexpr int kMaxDiagonals = 2 * kSliceMax - 1;
 // Residues per row, and how far below the row's window they may reach. Each residue costs one
 // exact product per output of its row (combine); rows past either cap take more slices.
 constexpr int kResidueCap = 32;
@@ -277,10 +278,20 @@ LDET_HD void combine_output(const int32_t* c, int64_t pstride, int nch, int D, i
   if (acc_out == nullptr && wide) {
     // Horner from the top diagonal: constant shifts only, modular (unsigned) arithmetic
     u128 T = 0;
-    for (int d = D - 1; d >= 0; --d) {
-      int64_t s = 0;
-      for (int ch = 0; ch < nch; ++ch) s += c[(ch * D + d) * pstride];
-      T = (T << bits) + u128(i128(s));
+    if (nch == 1 && D <= kMaxDiagonals) {
+      // one K-chunk (the common case): every load first, so their latencies overlap
+      int32_t v[kMaxDiagonals];
+#pragma unroll
+      for (int d = 0; d < kMaxDiagonals; ++d) v[d] = d < D ? c[d * pstride] : 0;
+#pragma unroll
+      for (int d = kMaxDiagonals - 1; d >= 0; --d)
+        if (d < D) T = (T << bits) + u128(i128(v[d]));
+    } else {
+      for (int d = D - 1; d >= 0; --d) {
+        int64_t s = 0;
+        for (int ch = 0; ch < nch; ++ch) s += c[(ch * D + d) * pstride];
+        T = (T << bits) + u128(i128(s));
+      }
     }
     T <<= F;
     const int Eu = E - F;

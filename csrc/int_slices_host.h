@@ -87,6 +87,8 @@ struct SliceBackend {
   // Cost of one residue term of the combine in int8 multiply-adds of the GEMMs: the host weighs
   // a slice fewer against the residues it leaves (NOTES "Session 7").
   double term_macs;
+  // chunk_columns' rule for the int8 GEMM library: 0, or the most outputs a chunk may hold.
+  int64_t chunk_max_outputs;
 };
 
 // The plan of the last GEMM this thread ran on the slices: Sx, Sw, x's and w's residues, x's and
@@ -105,6 +107,26 @@ inline int ceil_log2(int64_t v) {
   int b = 0;
   while ((int64_t(1) << b) < v) ++b;
   return b;
+}
+
+// The N-chunk width Nc and the padded column count Np (>= N, a multiple of 8; the last chunk may
+// be narrower) for int32 diagonals (P, Mp, Nc) within cap_mib. max_outputs > 0 (CUDA): every chunk
+// Nc = 8 (mod 16) wide with Mp * Nc <= max_outputs, padding w's slices with zero rows: cuBLASLt
+// then runs its sm90 int8 kernels, where multiples of 16 get its sm80 ones (~0.8x) and wider
+// chunks a slow sm80 one (~0.3x) (results/h200-chunk-scan.json; NOTES "Session 7").
+inline std::pair<int64_t, int64_t> chunk_columns(int64_t N, int64_t Mp, int64_t P, int64_t cap_mib,
+                                                 int64_t max_outputs) {
+  const int64_t N8 = round_up(N, 8), per_col = std::max<int64_t>(1, P) * Mp * 4;
+  const int64_t cap = std::max<int64_t>(8, ((cap_mib << 20) / per_col) / 8 * 8);
+  if (max_outputs > 0 && max_outputs / Mp >= 8) {
+    const int64_t c8 = (std::min(cap, max_outputs / Mp) - 8) / 16 * 16 + 8;  // the widest = 8 (mod 16)
+    const int64_t n_chunks = (N8 + c8 - 1) / c8;
+    const int64_t want = std::max<int64_t>(8, (N8 + n_chunks - 1) / n_chunks);
+    const int64_t w = round_up(want - 8, 16) + 8;  // <= c8: c8 = 8 (mod 16) and want <= c8
+    return {w, w * n_chunks};
+  }
+  const int64_t n_chunks = (N8 + cap - 1) / cap;
+  return {std::min(N8, round_up((N8 + n_chunks - 1) / n_chunks, max_outputs > 0 ? 16 : 8)), N8};
 }
 
 inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias,
@@ -174,9 +196,19 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
 
   int64_t Kc, nch;
   chunking(Sx, Sw, &Kc, &nch);
-  const int64_t Mp = std::max<int64_t>(M, 17), Np = round_up(N, 8);  // cuBLASLt int8: M > 16, N % 8
+  const int64_t Mp = std::max<int64_t>(M, 17);  // cuBLASLt int8: M > 16
   const int64_t D = (Sx > 0 && Sw > 0) ? Sx + Sw - 1 : 0, P = D * nch;
   const bool wide = Sx > 0 && Sw > 0 ? wide_for(Sx, Sw) : true;
+
+  // N in chunks so the int32 diagonals stay within ~256 MiB (they live at the training step's peak).
+  // LIGHTNING_DET_SLICES_CHUNK_MIB changes the cap (benchmarks: wider GEMMs against memory).
+  int64_t cap_mib = 256;
+  if (const char* env = std::getenv("LIGHTNING_DET_SLICES_CHUNK_MIB")) cap_mib = std::max<int64_t>(1, std::atoll(env));
+  const auto [Nc, Np] = chunk_columns(N, Mp, P, cap_mib, be.chunk_max_outputs);
+  // LIGHTNING_DET_SLICES_CONTIGUOUS=1 hands each diagonal's operands to the int8 GEMM as contiguous
+  // copies instead of column views (benchmarks: which kernels cuBLASLt then picks).
+  const char* contig_env = std::getenv("LIGHTNING_DET_SLICES_CONTIGUOUS");
+  const bool contig = contig_env != nullptr && std::string(contig_env) == "1";
 
   const SliceOperand xo = be.make_slices(x, nx, Sx, bits, false, Kc, nch, Mp, res_x);
   const SliceOperand wo = be.make_slices(w, nw, Sw, bits, true, Kc, nch, Np, res_w);
@@ -185,20 +217,6 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
   at::Tensor bd;
   if (bias.has_value()) bd = bias->to(at::kDouble).contiguous();
 
-  // N in chunks so the int32 diagonals stay within ~256 MiB (they live at the training step's peak).
-  // LIGHTNING_DET_SLICES_CHUNK_MIB changes the cap (benchmarks: wider GEMMs against memory).
-  int64_t cap_mib = 256;
-  if (const char* env = std::getenv("LIGHTNING_DET_SLICES_CHUNK_MIB")) cap_mib = std::max<int64_t>(1, std::atoll(env));
-  // LIGHTNING_DET_SLICES_CONTIGUOUS=1 hands each diagonal's operands to the int8 GEMM as contiguous
-  // copies instead of column views (benchmarks: which kernels cuBLASLt then picks).
-  const char* contig_env = std::getenv("LIGHTNING_DET_SLICES_CONTIGUOUS");
-  const bool contig = contig_env != nullptr && std::string(contig_env) == "1";
-  // Chunks of equal width in multiples of 256 columns where N allows: cuBLASLt took its sm80
-  // kernels at 1/4 of the sm90 ones' speed on a 3272-column chunk (NOTES "Session 7").
-  const int64_t per_col = std::max<int64_t>(1, P) * Mp * 4;
-  const int64_t nc_cap = std::max<int64_t>(8, ((cap_mib << 20) / per_col) / 8 * 8);
-  const int64_t n_chunks = (Np + nc_cap - 1) / nc_cap;
-  const int64_t Nc = std::min(Np, round_up((Np + n_chunks - 1) / n_chunks, Np >= 256 * n_chunks ? 256 : 8));
   at::Tensor out;
   for (int64_t n0 = 0; n0 < N; n0 += Nc) {
     const int64_t ncp = std::min(Nc, Np - n0), nv = std::min(Nc, N - n0);

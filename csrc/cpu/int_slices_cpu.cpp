@@ -207,7 +207,7 @@ const SliceBackend& slice_backend_cpu() {
                                int64_t(1) << 15, std::numeric_limits<int64_t>::max(),
                                // a residue term: ~2 ns on one core, against ~300 G int8
                                // multiply-adds a second on two (NOTES "Session 7")
-                               2000.0};
+                               2000.0, 0};
   return be;
 }
 

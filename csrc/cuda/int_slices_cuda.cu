@@ -258,7 +258,9 @@ const SliceBackend& slice_backend_cuda() {
                                int64_t(1) << 18, int64_t(1) << 34,
                                // a residue term (~10 instructions, scattered reads) against ~10^15
                                // int8 multiply-adds a second (NOTES "Session 7")
-                               10000.0};
+                               10000.0,
+                               // cuBLASLt's sm90 int8 kernels: chunks 8 (mod 16) wide, <= 2^23 outputs
+                               int64_t(1) << 23};
   return be;
 }
 
