@@ -36,14 +36,6 @@
 
 namespace ldet {
 
-// The fallback of the combine is a call, not inlined: its long accumulator (152 bytes of digits)
-// would otherwise sit in the stack frame of every thread of the fast path.
-#if defined(__CUDACC__)
-#define LDET_HD_NOINLINE __host__ __device__ __noinline__ inline
-#else
-#define LDET_HD_NOINLINE __attribute__((noinline)) inline
-#endif
-
 constexpr int kSliceMax = 8;         // slices per operand; X then needs 8 * 8 - 2 = 62 bits
 constexpr int kSliceNeedBad = 127;   // "needs" value of a row left to the long-accumulator kernel
 constexpr int64_t kSliceIntBound = (int64_t(1) << 31) - 1;
@@ -150,7 +142,6 @@ struct Residues {
 
 // The residue terms of one output (m, n): xr[m,k] * w[n,k] for x's residues and x3[m,k] * wr[n,k]
 // for w's (x3: x's window part, so that no product is counted twice). each(f) calls f on each.
-// Passed by value: the combine's out-of-line fallback then takes no address of the caller's locals.
 struct ResidueTerms {
   Residues rx;
   Elems x;
@@ -243,11 +234,11 @@ LDET_HD bool add_units(u128& T, double b, int Eu, int max_bits) {
 }
 #endif
 
-// The long-accumulator route of one output (combine_output's fallback): every int32 diagonal sum,
-// residue term and the bias added exactly as fp64 values.
-LDET_HD_NOINLINE void combine_output_digits(const int32_t* c, int64_t pstride, int nch, int D, int bits, int E,
-                                            const double* bias, int fmt, ResidueTerms terms, float* out_val,
-                                            int64_t* acc_out) {
+// The long-accumulator route of one output (combine_output's fallback, and its digits): every
+// int32 diagonal sum, residue term and the bias added exactly as fp64 values.
+LDET_HD void combine_output_digits(const int32_t* c, int64_t pstride, int nch, int D, int bits, int E,
+                                   const double* bias, int fmt, const ResidueTerms& terms, float* out_val,
+                                   int64_t* acc_out) {
   int64_t acc[LDET_WORDS];
   zero(acc);
   for (int ch = 0; ch < nch; ++ch) {
@@ -266,49 +257,57 @@ LDET_HD_NOINLINE void combine_output_digits(const int32_t* c, int64_t pstride, i
   }
 }
 
-// One output of the combine. c[(ch * D + d) * pstride] are the int32 diagonal sums of K-chunk ch;
-// their exact sum times 2^E, the residue terms and bias (may be null)
-// are rounded to fmt (acc_out == null) or stored as canonical digits in acc_out. F: bits the
-// output's residues reach below 2^E. `wide` says the caller proved the 128-bit sum in units of
-// 2^(E - F) stays below 2^126, so that route cannot overflow.
+#if defined(__SIZEOF_INT128__)
+// The 128-bit route of one rounded output (combine_output): c[(ch * D + d) * pstride] are the
+// int32 diagonal sums of K-chunk ch; their exact sum times 2^E, the residue terms and the bias
+// (may be null), rounded once to fmt into *out_val. F: bits the output's residues reach below
+// 2^E. The caller proved the sum in units of 2^(E - F) stays below 2^126 (the host's `wide`).
+// Returns false, leaving the output to combine_output_digits, when the bias or a term is not an
+// integer number of those units within range.
+LDET_HD bool combine_output_fast(const int32_t* c, int64_t pstride, int nch, int D, int bits, int E, int F,
+                                 const double* bias, int fmt, const ResidueTerms& terms, float* out_val) {
+  // Horner from the top diagonal: constant shifts only, modular (unsigned) arithmetic
+  u128 T = 0;
+  if (nch == 1 && D <= kMaxDiagonals) {
+    // one K-chunk (the common case): every load first, so their latencies overlap
+    int32_t v[kMaxDiagonals];
+#pragma unroll
+    for (int d = 0; d < kMaxDiagonals; ++d) v[d] = d < D ? c[d * pstride] : 0;
+#pragma unroll
+    for (int d = kMaxDiagonals - 1; d >= 0; --d)
+      if (d < D) T = (T << bits) + u128(i128(v[d]));
+  } else {
+    for (int d = D - 1; d >= 0; --d) {
+      int64_t s = 0;
+      for (int ch = 0; ch < nch; ++ch) s += c[(ch * D + d) * pstride];
+      T = (T << bits) + u128(i128(s));
+    }
+  }
+  T <<= F;
+  const int Eu = E - F;
+  // the bias joins T when it is an integer number of units below 2^100 of them
+  bool ok = bias == nullptr || *bias == 0.0 || add_units(T, *bias, Eu, 100);
+  if (ok) terms.each([&](double t) { ok = ok && add_units(T, t, Eu, 124); });
+  if (!ok) return false;
+  const i128 Ts = i128(T);
+  if (Ts == 0) {
+    *out_val = 0.0f;  // exact zero -> +0.0
+  } else {
+    const bool neg = Ts < 0;
+    *out_val = round_int128_fmt(neg, neg ? u128(-Ts) : u128(Ts), Eu, fmt);
+  }
+  return true;
+}
+#endif
+
+// One output of the combine: the 128-bit route where `wide` and a rounded output allow it, else
+// the long accumulator (combine_output_digits), which also gives the digits (acc_out non-null).
 LDET_HD void combine_output(const int32_t* c, int64_t pstride, int nch, int D, int bits, int E, int F,
                             const double* bias, bool wide, int fmt, const ResidueTerms& terms, float* out_val,
                             int64_t* acc_out) {
 #if defined(__SIZEOF_INT128__)
-  if (acc_out == nullptr && wide) {
-    // Horner from the top diagonal: constant shifts only, modular (unsigned) arithmetic
-    u128 T = 0;
-    if (nch == 1 && D <= kMaxDiagonals) {
-      // one K-chunk (the common case): every load first, so their latencies overlap
-      int32_t v[kMaxDiagonals];
-#pragma unroll
-      for (int d = 0; d < kMaxDiagonals; ++d) v[d] = d < D ? c[d * pstride] : 0;
-#pragma unroll
-      for (int d = kMaxDiagonals - 1; d >= 0; --d)
-        if (d < D) T = (T << bits) + u128(i128(v[d]));
-    } else {
-      for (int d = D - 1; d >= 0; --d) {
-        int64_t s = 0;
-        for (int ch = 0; ch < nch; ++ch) s += c[(ch * D + d) * pstride];
-        T = (T << bits) + u128(i128(s));
-      }
-    }
-    T <<= F;
-    const int Eu = E - F;
-    // the bias joins T when it is an integer number of units below 2^100 of them
-    bool ok = bias == nullptr || *bias == 0.0 || add_units(T, *bias, Eu, 100);
-    if (ok) terms.each([&](double t) { ok = ok && add_units(T, t, Eu, 124); });
-    if (ok) {
-      const i128 Ts = i128(T);
-      if (Ts == 0) {
-        *out_val = 0.0f;  // exact zero -> +0.0
-      } else {
-        const bool neg = Ts < 0;
-        *out_val = round_int128_fmt(neg, neg ? u128(-Ts) : u128(Ts), Eu, fmt);
-      }
-      return;
-    }
-  }
+  if (acc_out == nullptr && wide && combine_output_fast(c, pstride, nch, D, bits, E, F, bias, fmt, terms, out_val))
+    return;
 #endif
   combine_output_digits(c, pstride, nch, D, bits, E, bias, fmt, terms, out_val, acc_out);
 }

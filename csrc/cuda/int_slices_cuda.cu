@@ -154,27 +154,49 @@ struct KernelOperand {
 };
 
 // Block row blockIdx.y handles output rows m (x's row data is uniform across the block), threads
-// run along n: no 64-bit division per output, coalesced reads of the diagonals.
-__global__ void __launch_bounds__(kThreads) combine_kernel(const int32_t* __restrict__ C, int nch, int64_t Mp,
-                                                          int64_t Ncp, int64_t M, int64_t Nv, KernelOperand x,
-                                                          KernelOperand w, const double* __restrict__ bias, int D,
-                                                          int bits, bool wide_ok, bool digits, int fmt,
-                                                          void* __restrict__ out) {
+// run along n: no 64-bit division per output, coalesced reads of the diagonals. The 128-bit route
+// only (no long accumulator in this kernel, so no stack frame): an output it cannot take gets
+// flag 1, and combine_rest_kernel finishes it.
+__global__ void __launch_bounds__(kThreads) combine_fast_kernel(const int32_t* __restrict__ C, int nch, int64_t Mp,
+                                                               int64_t Ncp, int64_t M, int64_t Nv, KernelOperand x,
+                                                               KernelOperand w, const double* __restrict__ bias, int D,
+                                                               int bits, int fmt, void* __restrict__ out,
+                                                               uint8_t* __restrict__ flags) {
   for (int64_t m = blockIdx.y; m < M; m += gridDim.y) {
     const int shx = x.sh[m];
     const int Fx = x.res.F ? x.res.F[m] : 0;
     for (int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; n < Nv; n += int64_t(gridDim.x) * blockDim.x) {
       const int64_t i = m * Nv + n;
-      const int E = -(shx + w.sh[n]);
-      const int F = Fx + (w.res.F ? w.res.F[n] : 0);
-      const double* bn = bias ? bias + n : nullptr;
       const ResidueTerms terms{x.res, x.elems, shx, m, w.res, w.elems, n};
+      float v;
+      const bool ok = combine_output_fast(C + m * Ncp + n, Mp * Ncp, nch, D, bits, -(shx + w.sh[n]),
+                                          Fx + (w.res.F ? w.res.F[n] : 0), bias ? bias + n : nullptr, fmt, terms, &v);
+      if (ok) store_fmt(out, i, v, fmt);
+      flags[i] = ok ? 0 : 1;
+    }
+  }
+}
+
+// The long-accumulator route for the outputs flagged by combine_fast_kernel (flags == null: every
+// output, for digits or a sum the host could not bound).
+__global__ void combine_rest_kernel(const int32_t* __restrict__ C, int nch, int64_t Mp, int64_t Ncp, int64_t M,
+                                    int64_t Nv, KernelOperand x, KernelOperand w, const double* __restrict__ bias,
+                                    int D, int bits, bool digits, int fmt, void* __restrict__ out,
+                                    const uint8_t* __restrict__ flags) {
+  for (int64_t m = blockIdx.y; m < M; m += gridDim.y) {
+    for (int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; n < Nv; n += int64_t(gridDim.x) * blockDim.x) {
+      const int64_t i = m * Nv + n;
+      if (flags != nullptr && flags[i] == 0) continue;
+      const int shx = x.sh[m];
+      const ResidueTerms terms{x.res, x.elems, shx, m, w.res, w.elems, n};
+      const int32_t* cp = C + m * Ncp + n;
+      const double* bn = bias ? bias + n : nullptr;
       if (digits) {
-        combine_output(C + m * Ncp + n, Mp * Ncp, nch, D, bits, E, F, bn, wide_ok, fmt, terms, nullptr,
-                       static_cast<int64_t*>(out) + i * LDET_WORDS);
+        combine_output_digits(cp, Mp * Ncp, nch, D, bits, -(shx + w.sh[n]), bn, fmt, terms, nullptr,
+                              static_cast<int64_t*>(out) + i * LDET_WORDS);
       } else {
         float v;
-        combine_output(C + m * Ncp + n, Mp * Ncp, nch, D, bits, E, F, bn, wide_ok, fmt, terms, &v, nullptr);
+        combine_output_digits(cp, Mp * Ncp, nch, D, bits, -(shx + w.sh[n]), bn, fmt, terms, &v, nullptr);
         store_fmt(out, i, v, fmt);
       }
     }
@@ -240,9 +262,20 @@ at::Tensor combine_cuda(const at::Tensor& C, int64_t M, int64_t Nv, const SliceO
     const int nch = D > 0 ? int(C.size(0) / D) : 0;
     const dim3 grid(unsigned(std::min<int64_t>((Nv + kThreads - 1) / kThreads, 65535)),
                     unsigned(std::min<int64_t>(M, 65535)));
-    combine_kernel<<<grid, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        C.data_ptr<int32_t>(), nch, C.size(1), C.size(2), M, Nv, kernel_operand(x, shx_c), kernel_operand(w, shw_c),
-        bias.defined() ? bias.data_ptr<double>() : nullptr, int(D), int(bits), wide_ok, digits, fmt, out.data_ptr());
+    const auto stream = c10::cuda::getCurrentCUDAStream();
+    const KernelOperand xo = kernel_operand(x, shx_c), wo = kernel_operand(w, shw_c);
+    const double* bp = bias.defined() ? bias.data_ptr<double>() : nullptr;
+    at::Tensor flags;
+    if (!digits && wide_ok) {
+      flags = at::empty({M, Nv}, C.options().dtype(at::kByte));
+      combine_fast_kernel<<<grid, kThreads, 0, stream>>>(C.data_ptr<int32_t>(), nch, C.size(1), C.size(2), M, Nv, xo,
+                                                         wo, bp, int(D), int(bits), fmt, out.data_ptr(),
+                                                         flags.data_ptr<uint8_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    combine_rest_kernel<<<grid, kThreads, 0, stream>>>(C.data_ptr<int32_t>(), nch, C.size(1), C.size(2), M, Nv, xo, wo,
+                                                       bp, int(D), int(bits), digits, fmt, out.data_ptr(),
+                                                       flags.defined() ? flags.data_ptr<uint8_t>() : nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return out;
