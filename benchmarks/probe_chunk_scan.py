@@ -1,3 +1,11 @@
+"""Which cuBLASLt int8 kernel (sm90 or cutlass sm80, align16 or align4) runs torch._int_mm for the
+slice route's diagonal GEMMs, C (M, n) int32 = A (M, Kd) . B (n, Kd)^T on column views of
+3 x Kd-wide int8 matrices, as the chunk width n steps by 8 (40) from 256 to 4096, at M = 4096
+(8192, 1024). Pure torch: needs no lightning_det build. The rule it found (NOTES "Session 7")
+is csrc/int_slices_host.h's chunk_columns.
+
+    python3 benchmarks/probe_chunk_scan.py OUT.json   # rows: (M, Kd, n, TOPS, kernel kind)
+"""
 import torch, json, sys, os
 out = sys.argv[1]
 rows = []
