@@ -129,6 +129,57 @@ inline std::pair<int64_t, int64_t> chunk_columns(int64_t N, int64_t Mp, int64_t 
   return {std::min(N8, round_up((N8 + n_chunks - 1) / n_chunks, max_outputs > 0 ? 16 : 8)), N8};
 }
 
+// How one GEMM is sliced: slices per operand, the K-chunk and its count, and whether the
+// combine's 128-bit sum is proven (else every output takes the long accumulator).
+struct SlicePlan {
+  int64_t Sx, Sw, Kc, nch;
+  bool wide;
+};
+
+// The K-chunk for (Sa, Sb) slices: int32 holds a diagonal's sum while pairs * Kc * 2^(2 bits - 2)
+// < 2^31. Sets Kc and nch; returns the pairs of the longest diagonal.
+inline int64_t slice_k_chunks(int64_t K, int64_t Sa, int64_t Sb, int bits, int64_t* Kc, int64_t* nch) {
+  const int64_t pairs = std::max<int64_t>(1, std::min(Sa, Sb));
+  const int64_t kc_max = (kSliceIntBound / (pairs << (2 * bits - 2))) / 16 * 16;
+  *nch = (round_up(K, 16) + kc_max - 1) / kc_max;
+  *Kc = round_up((K + *nch - 1) / *nch, 16);
+  return pairs;
+}
+
+// The slice counts from both operands' summaries (int_slices.h, kSum*): from each operand's least
+// up to kSliceMax, the pair with the least work (int8 multiply-adds plus term_macs per residue
+// term) among those whose 128-bit combine is proven.
+inline SlicePlan plan_slices(const int32_t* sx, const int32_t* sw, int64_t M, int64_t N, int64_t K, int bits,
+                             double term_macs) {
+  auto plan_for = [&](int64_t Sa, int64_t Sb) {
+    SlicePlan p{Sa, Sb, 0, 0, true};
+    const int64_t pairs = slice_k_chunks(K, Sa, Sb, bits, &p.Kc, &p.nch);
+    if (Sa == 0 || Sb == 0) return p;  // no products: nothing to bound
+    const int64_t Fmax = sx[kSumDepth + Sa - 1] + sw[kSumDepth + Sb - 1];
+    // |sum_d C_d 2^(bits d)| < 2^base; times 2^F, plus residue terms (each below
+    // 2^(F + bits S - 2), at most 2 kResidueCap of them) and a bias below 2^100: below 2^126
+    const int64_t base = ceil_log2(p.nch * p.Kc) + ceil_log2(pairs) + bits * (Sa + Sb) - 1;
+    p.wide = base + Fmax <= 124 && Fmax + bits * std::max(Sa, Sb) + 4 <= 124;
+    return p;
+  };
+  const int64_t Sx0 = sx[kSumNeed], Sw0 = sw[kSumNeed];
+  SlicePlan best = plan_for(Sx0, Sw0);
+  if (Sx0 == 0 || Sw0 == 0) return best;  // an all-zero (or all left-out) operand
+  double best_cost = std::numeric_limits<double>::infinity();
+  for (int64_t a = Sx0; a <= kSliceMax; ++a) {
+    for (int64_t b = Sw0; b <= kSliceMax; ++b) {
+      const SlicePlan p = plan_for(a, b);
+      const double cost = double(a * b) * double(M) * double(N) * double(K) +
+                          term_macs * (double(sx[kSumCount + a - 1]) * double(N) + double(sw[kSumCount + b - 1]) * double(M));
+      if ((p.wide && !best.wide) || (p.wide == best.wide && cost < best_cost)) {
+        best = p;
+        best_cost = cost;
+      }
+    }
+  }
+  return best;
+}
+
 inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias,
                                   bool digits, at::ScalarType out_dtype, const SliceBackend& be,
                                   const LongAccGemm& long_acc) {
@@ -153,52 +204,12 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
   // Auto mode: when most rows would be recomputed anyway, the long-accumulator kernel alone is cheaper.
   if (mode == kPathAuto && (2 * nbad_x > M || 2 * nbad_w > N)) return {};
 
-  // The slice counts: from each operand's least up to kSliceMax, the pair with the least work
-  // (int8 multiply-adds plus be.term_macs per residue term) whose 128-bit combine is proven.
-  const int64_t Sx0 = sx[kSumNeed], Sw0 = sw[kSumNeed];
-  auto chunking = [&](int64_t Sa, int64_t Sb, int64_t* Kc_out, int64_t* nch_out) {
-    // K chunk: int32 holds a diagonal's sum while pairs * Kc * 2^(2 bits - 2) < 2^31.
-    const int64_t pairs = std::max<int64_t>(1, std::min(Sa, Sb));
-    const int64_t kc_max = (kSliceIntBound / (pairs << (2 * bits - 2))) / 16 * 16;
-    *nch_out = (round_up(K, 16) + kc_max - 1) / kc_max;
-    *Kc_out = round_up((K + *nch_out - 1) / *nch_out, 16);
-    return pairs;
-  };
-  auto wide_for = [&](int64_t Sa, int64_t Sb) {
-    int64_t kc, nc;
-    const int64_t pairs = chunking(Sa, Sb, &kc, &nc);
-    const int64_t Fmax = (Sa > 0 ? sx[kSumDepth + Sa - 1] : 0) + (Sb > 0 ? sw[kSumDepth + Sb - 1] : 0);
-    // |sum_d C_d 2^(bits d)| < 2^base; times 2^F, plus residue terms (each below
-    // 2^(F + bits S - 2), at most 2 kResidueCap of them) and a bias below 2^100: below 2^126
-    const int64_t base = ceil_log2(nc * kc) + ceil_log2(pairs) + bits * (Sa + Sb) - 1;
-    return base + Fmax <= 124 && Fmax + bits * std::max(Sa, Sb) + 4 <= 124;
-  };
-  int64_t Sx = Sx0, Sw = Sw0;
-  if (Sx0 > 0 && Sw0 > 0) {
-    double best = std::numeric_limits<double>::infinity();
-    bool best_wide = false;
-    for (int64_t a = Sx0; a <= kSliceMax; ++a) {
-      for (int64_t b = Sw0; b <= kSliceMax; ++b) {
-        const bool wd = wide_for(a, b);
-        const double cost = double(a * b) * double(M) * double(N) * double(K) +
-                            be.term_macs * (double(sx[kSumCount + a - 1]) * double(N) + double(sw[kSumCount + b - 1]) * double(M));
-        if ((wd && !best_wide) || (wd == best_wide && cost < best)) {
-          best = cost;
-          best_wide = wd;
-          Sx = a;
-          Sw = b;
-        }
-      }
-    }
-  }
+  const SlicePlan plan = plan_slices(sx, sw, M, N, K, bits, be.term_macs);
+  const int64_t Sx = plan.Sx, Sw = plan.Sw, Kc = plan.Kc, nch = plan.nch;
   const bool res_x = Sx > 0 && sx[kSumCount + Sx - 1] > 0, res_w = Sw > 0 && sw[kSumCount + Sw - 1] > 0;
   last_slices_plan() = {Sx, Sw, Sx > 0 ? sx[kSumCount + Sx - 1] : 0, Sw > 0 ? sw[kSumCount + Sw - 1] : 0, nbad_x, nbad_w};
-
-  int64_t Kc, nch;
-  chunking(Sx, Sw, &Kc, &nch);
   const int64_t Mp = std::max<int64_t>(M, 17);  // cuBLASLt int8: M > 16
   const int64_t D = (Sx > 0 && Sw > 0) ? Sx + Sw - 1 : 0, P = D * nch;
-  const bool wide = Sx > 0 && Sw > 0 ? wide_for(Sx, Sw) : true;
 
   // N in chunks so the int32 diagonals stay within ~256 MiB (they live at the training step's peak).
   // LIGHTNING_DET_SLICES_CHUNK_MIB changes the cap (benchmarks: wider GEMMs against memory).
@@ -236,7 +247,7 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
       }
     }
     at::Tensor part = be.combine(C, M, nv, xo, wo.rows(n0, nv), bd.defined() ? bd.narrow(0, n0, nv) : bd, D, bits,
-                                 wide, digits, out_dtype);
+                                 plan.wide, digits, out_dtype);
     if (n0 == 0 && nv == N) {
       out = part;
     } else {
