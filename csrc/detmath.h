@@ -42,8 +42,7 @@ LDET_HD double inv_fact(int n) {
 
 LDET_HD bool is_nan(double x) { return x != x; }
 
-// 2^k as an exact double, for k in [-1022, 1023].
-LDET_HD double pow2(int k) { return double_of(uint64_t(1023 + k) << 52); }
+// pow2 (2^k exactly): longacc.h.
 
 // exp(x). Cody-Waite reduction x = k ln2 + r, |r| <= ln2/2, then a degree-13 Taylor polynomial
 // (truncation < 5e-18) and an exact scaling by 2^k in two steps (so subnormal results are

@@ -96,17 +96,9 @@ LDET_HD void slice_integer(int64_t X, int S, int bits, int8_t* dst, int64_t stri
   for (int s = 0; s < S; ++s) dst[s * stride] = next_digit(X, bits);
 }
 
-// 2^e exactly, for e in [-1022, 1023].
-LDET_HD double pow2(int e) { return double_of(uint64_t(e + 1023) << 52); }
-
 // The window part of v: v * 2^sh truncated toward zero, an integer with |X| < 2^62 by
 // construction (header comment, step 1). v - X * 2^-sh is v's residue.
 LDET_HD int64_t window_integer(double v, int sh) { return int64_t(v * pow2(sh)); }
-
-// The digits of v's window part.
-LDET_HD void slice_digits(double v, int sh, int S, int bits, int8_t* dst, int64_t stride) {
-  slice_integer(window_integer(v, sh), S, bits, dst, stride);
-}
 
 // Element kinds of the operands the combine reads back for residue terms.
 enum ElemKind { kElemF32 = 0, kElemBF16 = 1, kElemF16 = 2 };

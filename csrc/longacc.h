@@ -85,6 +85,9 @@ LDET_HD double double_of(uint64_t u) {
   return f;
 }
 
+// 2^e exactly, for e in [-1022, 1023].
+LDET_HD double pow2(int e) { return double_of(uint64_t(e + 1023) << 52); }
+
 LDET_HD void zero(int64_t* acc) {
   for (int i = 0; i < LDET_WORDS; ++i) acc[i] = 0;
 }

@@ -104,13 +104,13 @@ SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64
         if (need == 0 || need > S) continue;  // zero row, or left to the long-accumulator kernel
         const int s = int(bits * S) - 3 - nd[3 * r];
         sho[r] = s;
-        const double scale = pow2(s), unscale = pow2(-s);  // v * 2^s is exact (int_slices.h, step 1)
+        const double unscale = pow2(-s);
         int nres = 0;
         for (int64_t c = 0; c < nch; ++c) {
           int8_t* base = o + r * width + (c * S + slot0) * Kc;
           for (int64_t k = c * Kc, kk = 0; k < std::min(K, (c + 1) * Kc); ++k, ++kk) {
             const double v = static_cast<double>(p[r * K + k]);
-            const int64_t X = int64_t(v * scale);
+            const int64_t X = window_integer(v, s);
             slice_integer(X, int(S), int(bits), base + kk, step);
             if (residues && v != double(X) * unscale) {
               // row_plan bounded this row's residues at S by kResidueCap

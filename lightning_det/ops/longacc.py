@@ -28,6 +28,7 @@ __all__ = [
     "det_finalize",
     "det_normalize",
     "gemm_path",
+    "last_slices_plan",
     "to_digits",
 ]
 
