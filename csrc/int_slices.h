@@ -155,7 +155,11 @@ struct ResidueTerms {
       const int c = rw.count[n];
       for (int j = 0; j < c; ++j) {
         const int64_t s = n * kResidueCap + j;
-        const double x3 = double(window_integer(x.at(m, rw.idx[s]), shx)) * pow2(-shx);
+        // x's row m in the slices has |x * 2^shx| < 2^62; a row left to the long-accumulator
+        // kernel (inf/NaN, or too wide) may not, and its outputs are recomputed: no term
+        const double scaled = x.at(m, rw.idx[s]) * pow2(shx);
+        if (!(scaled < 0x1p62 && scaled > -0x1p62)) continue;
+        const double x3 = double(int64_t(scaled)) * pow2(-shx);  // window_integer, unscaled
         f(x3 * rw.val[s]);
       }
     }
@@ -239,7 +243,9 @@ LDET_HD void combine_output_digits(const int32_t* c, int64_t pstride, int nch, i
       if (v) add_double(acc, ldexp(double(v), E + bits * d));  // exact (header comment, step 2)
     }
   }
-  terms.each([&](double t) { add_double(acc, t); });  // exact products of parts of the inputs
+  // exact products of parts of the inputs; add_value: an output of a row left to the kernel
+  // (recomputed there) may meet inf/NaN here, which must not index past the digits
+  terms.each([&](double t) { add_value(acc, t); });
   if (bias != nullptr) add_value(acc, *bias);
   normalize(acc);
   if (acc_out != nullptr) {
@@ -256,18 +262,19 @@ LDET_HD void combine_output_digits(const int32_t* c, int64_t pstride, int nch, i
 // 2^E. The caller proved the sum in units of 2^(E - F) stays below 2^126 (the host's `wide`).
 // Returns false, leaving the output to combine_output_digits, when the bias or a term is not an
 // integer number of those units within range.
+template <int DC = 0>
 LDET_HD bool combine_output_fast(const int32_t* c, int64_t pstride, int nch, int D, int bits, int E, int F,
                                  const double* bias, int fmt, const ResidueTerms& terms, float* out_val) {
   // Horner from the top diagonal: constant shifts only, modular (unsigned) arithmetic
   u128 T = 0;
-  if (nch == 1 && D <= kMaxDiagonals) {
-    // one K-chunk (the common case): every load first, so their latencies overlap
-    int32_t v[kMaxDiagonals];
+  if (DC > 0) {
+    // one K-chunk and DC == D diagonals known at compile time (CUDA's combine_fast_kernel): every
+    // load first, so their latencies overlap, and no work for absent diagonals
+    int32_t v[DC > 0 ? DC : 1];
 #pragma unroll
-    for (int d = 0; d < kMaxDiagonals; ++d) v[d] = d < D ? c[d * pstride] : 0;
+    for (int d = 0; d < DC; ++d) v[d] = c[d * pstride];
 #pragma unroll
-    for (int d = kMaxDiagonals - 1; d >= 0; --d)
-      if (d < D) T = (T << bits) + u128(i128(v[d]));
+    for (int d = DC - 1; d >= 0; --d) T = (T << bits) + u128(i128(v[d]));
   } else {
     for (int d = D - 1; d >= 0; --d) {
       int64_t s = 0;

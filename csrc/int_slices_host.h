@@ -78,6 +78,8 @@ struct SliceBackend {
   at::Tensor (*combine)(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOperand& x, const SliceOperand& w,
                         const at::Tensor& bias, int64_t D, int64_t bits, bool wide, bool digits,
                         at::ScalarType out_dtype);
+  // out (M, N) int32 = a (M, K) . b (N, K)^T for int8 row-major views (exact int32 sums).
+  void (*int8_mm)(at::Tensor& out, const at::Tensor& a, const at::Tensor& b);
   int bits;          // digit width: 8, or 7 where the int8 GEMM could saturate 16-bit pair sums
   // Auto mode: M*N*K from which the slices beat the long-accumulator kernel, when an input is
   // fp32 (the kernel then splits it into four products) and when both are bf16 / fp16. Measured
@@ -239,11 +241,7 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
         const at::Tensor a = xs.narrow(1, (c * Sx + i0) * Kc, (i1 - i0 + 1) * Kc);
         const at::Tensor b = ws.narrow(0, n0, ncp).narrow(1, (c * Sw + (Sw - 1 - d + i0)) * Kc, (i1 - i0 + 1) * Kc);
         at::Tensor cd = C.select(0, c * D + d);
-        if (contig) {
-          at::_int_mm_out(cd, a.contiguous(), b.contiguous().t());
-        } else {
-          at::_int_mm_out(cd, a, b.t());
-        }
+        be.int8_mm(cd, contig ? a.contiguous() : a, contig ? b.contiguous() : b);
       }
     }
     at::Tensor part = be.combine(C, M, nv, xo, wo.rows(n0, nv), bd.defined() ? bd.narrow(0, n0, nv) : bd, D, bits,

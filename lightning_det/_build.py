@@ -116,7 +116,8 @@ def load() -> None:
                 extra_include_paths=[str(src)],
                 extra_cflags=cflags,
                 extra_cuda_cflags=cuda_flags,
-                extra_ldflags=["-fopenmp"],
+                # cuBLASLt: the integer-slice GEMMs call it directly (csrc/cuda/int8_gemm_lt.cu)
+                extra_ldflags=["-fopenmp"] + (["-lcublasLt"] if with_cuda else []),
                 build_directory=str(build_dir),
                 is_python_module=False,
                 with_cuda=with_cuda,

@@ -169,6 +169,18 @@ def test_seven_bit_digits_give_the_same_bytes():
     assert torch.equal(torch.load(out), want)
 
 
+def assert_cuda_same_as_kernel_and_cpu(x, w, b, what):
+    """det_gemm on CUDA through the slices: the kernel's bytes and the CPU slices' bytes, for every
+    output dtype. Returns the CUDA operands."""
+    xc, wc, bc = x.cuda(), w.cuda(), b.cuda()
+    for od in OUT_DTYPES:
+        ref, got = both_paths(lambda: det_gemm(xc, wc, bc, out_dtype=od))
+        assert_bitwise(got.cpu(), ref.cpu(), f"cuda {what} -> {od}: slices vs kernel")
+        with gemm_path("slices"):
+            assert_bitwise(got.cpu(), det_gemm(x, w, b, out_dtype=od), f"cuda {what} -> {od}: cuda vs cpu")
+    return xc, wc, bc
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dx,dw", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                    (torch.float16, torch.bfloat16)])
@@ -178,12 +190,7 @@ def test_cuda_slices_equal_kernel_and_cpu(dx, dw):
         w = gen.normal((N, K), dw, 21)
         x[0, 0] = float("inf") if M > 5 else x[0, 0]
         b = gen.normal((N,), torch.float32, 22)
-        xc, wc, bc = x.cuda(), w.cuda(), b.cuda()
-        for od in OUT_DTYPES:
-            ref, got = both_paths(lambda: det_gemm(xc, wc, bc, out_dtype=od))
-            assert_bitwise(got.cpu(), ref.cpu(), f"cuda {M}x{K}x{N} {dx}/{dw} -> {od}")
-            with gemm_path("slices"):
-                assert_bitwise(got.cpu(), det_gemm(x, w, b, out_dtype=od), f"cuda vs cpu {M}x{K}x{N} -> {od}")
+        xc, wc, bc = assert_cuda_same_as_kernel_and_cpu(x, w, b, f"{M}x{K}x{N} {dx}/{dw}")
         ref, got = both_paths(lambda: det_gemm_partial(xc, wc, bc))
         assert torch.equal(got, ref), f"cuda digits {M}x{K}x{N}"
 
@@ -219,3 +226,18 @@ def test_output_column_chunks_and_operand_copies(monkeypatch, contiguous):
     xp, wp = planted_residue_operands(M=600, N=100, K=256)
     assert_same_everywhere(xp, wp, None, f"N chunks with residues, contiguous={contiguous}")
     assert last_slices_plan()["residues_w"] >= 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_outputs_the_128_bit_route_leaves():
+    # A bias of 2^-100 lies below every output's unit, so the 128-bit route must leave those
+    # outputs to the long accumulator: a few columns (their indices listed), then every column
+    # (more than the list holds: the long accumulator redoes all outputs). Outputs left unwritten
+    # or summed wrongly show against the kernel and the CPU.
+    x, w = planted_residue_operands(M=600, N=100, K=1024)
+    x[4:8] = 0  # rows of exact zeros: there the output is the bias itself
+    for cols in (slice(3, 6), slice(None)):
+        b = torch.zeros(100)
+        b[cols] = 2.0**-100
+        xc, wc, bc = assert_cuda_same_as_kernel_and_cpu(x, w, b, f"bias below the unit in columns {cols}")
+        assert torch.all(det_gemm(xc, wc, bc, out_dtype=torch.float32)[4:8, cols].cpu() == 2.0**-100)

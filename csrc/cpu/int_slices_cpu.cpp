@@ -179,6 +179,9 @@ at::Tensor combine_cpu(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOp
   return out;
 }
 
+// oneDNN's int8 GEMM (at::_int_mm): out (M, N) = a (M, K) . b (N, K)^T.
+void int8_mm_cpu(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) { at::_int_mm_out(out, a, b.t()); }
+
 // 8-bit digits need the int8 GEMM to keep every int32 sum exact. Without VNNI, an int8 GEMM may
 // add u8 x s8 pairs in saturating 16-bit lanes (oneDNN documents this for AVX2): 7-bit digits
 // keep such pairs below 2^15. Ask the GEMM itself once, with the largest magnitudes.
@@ -201,7 +204,7 @@ int probe_bits() {
 }  // namespace
 
 const SliceBackend& slice_backend_cpu() {
-  static const SliceBackend be{&row_needs_cpu, &make_slices_cpu, &combine_cpu, probe_bits(),
+  static const SliceBackend be{&row_needs_cpu, &make_slices_cpu, &combine_cpu, &int8_mm_cpu, probe_bits(),
                                // 16-bit inputs: the kernel stays faster at every size measured
                                // (512^3 bf16: 8.6 ms against 16.6 ms), so never in auto mode
                                int64_t(1) << 15, std::numeric_limits<int64_t>::max(),

@@ -1,5 +1,5 @@
 // CUDA kernels of the integer-slice GEMM (scheme: csrc/int_slices.h; driver: csrc/int_slices_host.h).
-// The int8 GEMMs themselves are cuBLASLt's (at::_int_mm): exact int32 accumulation.
+// The int8 GEMMs themselves are cuBLASLt's (csrc/cuda/int8_gemm_lt.cu): exact int32 accumulation.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -10,6 +10,7 @@
 #include <algorithm>
 
 #include "cuda/elements.cuh"
+#include "cuda/int8_gemm_lt.h"
 #include "int_slices_host.h"
 #include "op_checks.h"
 
@@ -155,13 +156,16 @@ struct KernelOperand {
 
 // Block row blockIdx.y handles output rows m (x's row data is uniform across the block), threads
 // run along n: no 64-bit division per output, coalesced reads of the diagonals. The 128-bit route
-// only (no long accumulator in this kernel, so no stack frame): an output it cannot take gets
-// flag 1, and combine_rest_kernel finishes it.
+// only (no long accumulator in this kernel, so no stack frame). DC: the diagonal count when it is
+// known at compile time with one K-chunk (the common case), else 0. An output it cannot take is
+// appended to `list` (its index; past `cap` only counted) and combine_rest_kernel finishes it.
+template <int DC>
 __global__ void __launch_bounds__(kThreads) combine_fast_kernel(const int32_t* __restrict__ C, int nch, int64_t Mp,
                                                                int64_t Ncp, int64_t M, int64_t Nv, KernelOperand x,
                                                                KernelOperand w, const double* __restrict__ bias, int D,
                                                                int bits, int fmt, void* __restrict__ out,
-                                                               uint8_t* __restrict__ flags) {
+                                                               int64_t* __restrict__ list, int32_t* __restrict__ count,
+                                                               int64_t cap) {
   for (int64_t m = blockIdx.y; m < M; m += gridDim.y) {
     const int shx = x.sh[m];
     const int Fx = x.res.F ? x.res.F[m] : 0;
@@ -169,37 +173,66 @@ __global__ void __launch_bounds__(kThreads) combine_fast_kernel(const int32_t* _
       const int64_t i = m * Nv + n;
       const ResidueTerms terms{x.res, x.elems, shx, m, w.res, w.elems, n};
       float v;
-      const bool ok = combine_output_fast(C + m * Ncp + n, Mp * Ncp, nch, D, bits, -(shx + w.sh[n]),
-                                          Fx + (w.res.F ? w.res.F[n] : 0), bias ? bias + n : nullptr, fmt, terms, &v);
-      if (ok) store_fmt(out, i, v, fmt);
-      flags[i] = ok ? 0 : 1;
+      const bool ok = combine_output_fast<DC>(C + m * Ncp + n, Mp * Ncp, nch, D, bits, -(shx + w.sh[n]),
+                                              Fx + (w.res.F ? w.res.F[n] : 0), bias ? bias + n : nullptr, fmt, terms,
+                                              &v);
+      if (ok) {
+        store_fmt(out, i, v, fmt);
+      } else {
+        const int j = atomicAdd(count, 1);
+        if (j < cap) list[j] = i;
+      }
     }
   }
 }
 
-// The long-accumulator route for the outputs flagged by combine_fast_kernel (flags == null: every
-// output, for digits or a sum the host could not bound).
+// The long-accumulator route for the outputs combine_fast_kernel left (list and count; all of
+// them when more than `cap` were left), or for every output (list == null: digits, or a sum the
+// host could not bound).
 __global__ void combine_rest_kernel(const int32_t* __restrict__ C, int nch, int64_t Mp, int64_t Ncp, int64_t M,
                                     int64_t Nv, KernelOperand x, KernelOperand w, const double* __restrict__ bias,
                                     int D, int bits, bool digits, int fmt, void* __restrict__ out,
-                                    const uint8_t* __restrict__ flags) {
-  for (int64_t m = blockIdx.y; m < M; m += gridDim.y) {
-    for (int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; n < Nv; n += int64_t(gridDim.x) * blockDim.x) {
-      const int64_t i = m * Nv + n;
-      if (flags != nullptr && flags[i] == 0) continue;
-      const int shx = x.sh[m];
-      const ResidueTerms terms{x.res, x.elems, shx, m, w.res, w.elems, n};
-      const int32_t* cp = C + m * Ncp + n;
-      const double* bn = bias ? bias + n : nullptr;
-      if (digits) {
-        combine_output_digits(cp, Mp * Ncp, nch, D, bits, -(shx + w.sh[n]), bn, fmt, terms, nullptr,
-                              static_cast<int64_t*>(out) + i * LDET_WORDS);
-      } else {
-        float v;
-        combine_output_digits(cp, Mp * Ncp, nch, D, bits, -(shx + w.sh[n]), bn, fmt, terms, &v, nullptr);
-        store_fmt(out, i, v, fmt);
-      }
+                                    const int64_t* __restrict__ list, const int32_t* __restrict__ count, int64_t cap) {
+  int64_t items = M * Nv;
+  bool listed = false;
+  if (list != nullptr) {
+    const int64_t c = *count;
+    listed = c <= cap;
+    if (listed) items = c;
+  }
+  for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < items; t += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t i = listed ? list[t] : t;
+    const int64_t m = i / Nv, n = i - m * Nv;
+    const int shx = x.sh[m];
+    const ResidueTerms terms{x.res, x.elems, shx, m, w.res, w.elems, n};
+    const int32_t* cp = C + m * Ncp + n;
+    const double* bn = bias ? bias + n : nullptr;
+    if (digits) {
+      combine_output_digits(cp, Mp * Ncp, nch, D, bits, -(shx + w.sh[n]), bn, fmt, terms, nullptr,
+                            static_cast<int64_t*>(out) + i * LDET_WORDS);
+    } else {
+      float v;
+      combine_output_digits(cp, Mp * Ncp, nch, D, bits, -(shx + w.sh[n]), bn, fmt, terms, &v, nullptr);
+      store_fmt(out, i, v, fmt);
     }
+  }
+}
+
+// combine_fast_kernel<DC> for the diagonal count D (one K-chunk), or the generic one.
+template <int DC = kMaxDiagonals>
+void launch_combine_fast(int D, int nch, dim3 grid, cudaStream_t stream, const int32_t* C, int64_t Mp, int64_t Ncp,
+                         int64_t M, int64_t Nv, const KernelOperand& x, const KernelOperand& w, const double* bias,
+                         int bits, int fmt, void* out, int64_t* list, int32_t* count, int64_t cap) {
+  if constexpr (DC > 0) {
+    if (nch == 1 && D == DC) {
+      combine_fast_kernel<DC><<<grid, kThreads, 0, stream>>>(C, nch, Mp, Ncp, M, Nv, x, w, bias, D, bits, fmt, out,
+                                                             list, count, cap);
+      return;
+    }
+    launch_combine_fast<DC - 1>(D, nch, grid, stream, C, Mp, Ncp, M, Nv, x, w, bias, bits, fmt, out, list, count, cap);
+  } else {
+    combine_fast_kernel<0><<<grid, kThreads, 0, stream>>>(C, nch, Mp, Ncp, M, Nv, x, w, bias, D, bits, fmt, out, list,
+                                                          count, cap);
   }
 }
 
@@ -265,17 +298,25 @@ at::Tensor combine_cuda(const at::Tensor& C, int64_t M, int64_t Nv, const SliceO
     const auto stream = c10::cuda::getCurrentCUDAStream();
     const KernelOperand xo = kernel_operand(x, shx_c), wo = kernel_operand(w, shw_c);
     const double* bp = bias.defined() ? bias.data_ptr<double>() : nullptr;
-    at::Tensor flags;
+    const int32_t* Cp = C.data_ptr<int32_t>();
     if (!digits && wide_ok) {
-      flags = at::empty({M, Nv}, C.options().dtype(at::kByte));
-      combine_fast_kernel<<<grid, kThreads, 0, stream>>>(C.data_ptr<int32_t>(), nch, C.size(1), C.size(2), M, Nv, xo,
-                                                         wo, bp, int(D), int(bits), fmt, out.data_ptr(),
-                                                         flags.data_ptr<uint8_t>());
+      // outputs the 128-bit route leaves: their indices (up to cap) and count
+      const int64_t cap = std::min<int64_t>(std::max<int64_t>(M * Nv / 8, 4096), int64_t(1) << 20);
+      at::Tensor count = at::zeros({1}, C.options().dtype(at::kInt));
+      at::Tensor list = at::empty({cap}, C.options().dtype(at::kLong));
+      launch_combine_fast(int(D), nch, grid, stream, Cp, C.size(1), C.size(2), M, Nv, xo, wo, bp, int(bits), fmt,
+                          out.data_ptr(), list.data_ptr<int64_t>(), count.data_ptr<int32_t>(), cap);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
+      // sized for the list: when nothing was left, its blocks read the count and return
+      const unsigned rest_grid = unsigned(std::min<int64_t>((cap + kThreads - 1) / kThreads, 1024));
+      combine_rest_kernel<<<rest_grid, kThreads, 0, stream>>>(Cp, nch, C.size(1), C.size(2), M, Nv, xo, wo, bp, int(D),
+                                                              int(bits), false, fmt, out.data_ptr(),
+                                                              list.data_ptr<int64_t>(), count.data_ptr<int32_t>(), cap);
+    } else {
+      combine_rest_kernel<<<grid_for(M * Nv), kThreads, 0, stream>>>(Cp, nch, C.size(1), C.size(2), M, Nv, xo, wo, bp,
+                                                                    int(D), int(bits), digits, fmt, out.data_ptr(),
+                                                                    nullptr, nullptr, 0);
     }
-    combine_rest_kernel<<<grid, kThreads, 0, stream>>>(C.data_ptr<int32_t>(), nch, C.size(1), C.size(2), M, Nv, xo, wo,
-                                                       bp, int(D), int(bits), digits, fmt, out.data_ptr(),
-                                                       flags.defined() ? flags.data_ptr<uint8_t>() : nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return out;
@@ -285,7 +326,7 @@ at::Tensor combine_cuda(const at::Tensor& C, int64_t M, int64_t Nv, const SliceO
 
 const SliceBackend& slice_backend_cuda() {
   // cuBLASLt's int8 GEMM accumulates in int32 with no 16-bit intermediate: 8-bit digits.
-  static const SliceBackend be{&row_needs_cuda, &make_slices_cuda, &combine_cuda, 8,
+  static const SliceBackend be{&row_needs_cuda, &make_slices_cuda, &combine_cuda, &int8_gemm_lt, 8,
                                // bf16 at 1024^3: kernel 0.52x, slices 0.14x torch.mm fp32 (fixed costs);
                                // at 4096^3: 0.57x against 0.68x
                                int64_t(1) << 18, int64_t(1) << 34,

@@ -1,0 +1,155 @@
+// The int8 GEMMs of the integer-slice route (csrc/int_slices_host.h) straight through cuBLASLt.
+//
+// Why not at::_int_mm: it passes no algorithm to cublasLtMatmul, which then runs its heuristic
+// on every call: ~85 us of host time per GEMM (det_ddp step profile, NOTES "Session 8"), more
+// than the GEMM itself takes on the GPU for the training step's shapes, and a slice GEMM makes
+// 9-27 of them. Here the descriptors and the heuristic's first choice are kept per (shape,
+// strides, alignment, device); a call then costs one cublasLtMatmul. Same kernels: the
+// heuristic's first choice is what cublasLtMatmul picks for a null algorithm.
+#include "cuda/int8_gemm_lt.h"
+
+#include <ATen/cuda/CUDAContextLight.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cublasLt.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+namespace ldet {
+namespace {
+
+#define LDET_LT_CHECK(expr, what)                                                                         \
+  do {                                                                                                    \
+    const cublasStatus_t st_ = (expr);                                                                    \
+    TORCH_CHECK(st_ == CUBLAS_STATUS_SUCCESS, "int8 GEMM (cuBLASLt): ", what, " failed with status ", int(st_)); \
+  } while (0)
+
+// Column-major view of the row-major problem: C^T (N x M, ld N) = B (N x K, stored K x N with ld
+// ldb, op T) . A^T (K x M, stored with ld lda, op N).
+struct LtKey {
+  int64_t m, n, k, lda, ldb, ldc;
+  int align_a, align_b, align_c, device;
+  bool operator==(const LtKey& o) const { return std::memcmp(this, &o, sizeof(LtKey)) == 0; }
+};
+
+struct LtKeyHash {
+  size_t operator()(const LtKey& k) const {
+    size_t h = 1469598103934665603ull;
+    const unsigned char* p = reinterpret_cast<const unsigned char*>(&k);
+    for (size_t i = 0; i < sizeof(LtKey); ++i) h = (h ^ p[i]) * 1099511628211ull;
+    return h;
+  }
+};
+
+struct LtPlan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo;
+  bool have_algo = false;
+};
+
+// The largest power of two (<= 256) dividing the address: cuBLASLt assumes 256-byte alignment
+// unless told otherwise, and an algorithm chosen for aligned pointers may not run on others.
+int alignment(const void* p) {
+  const uintptr_t v = reinterpret_cast<uintptr_t>(p);
+  int a = 1;
+  while (a < 256 && (v & uintptr_t(a)) == 0) a <<= 1;
+  return a;
+}
+
+LtPlan make_plan(const LtKey& key) {
+  LtPlan p;
+  LDET_LT_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32I, CUDA_R_32I), "descriptor");
+  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  LDET_LT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), "transa");
+  LDET_LT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), "transb");
+  // stored shapes: A (the w slices) K x N, B (the x slices) K x M, C N x M
+  LDET_LT_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_8I, key.k, key.n, key.ldb), "layout A");
+  LDET_LT_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_8I, key.k, key.m, key.lda), "layout B");
+  LDET_LT_CHECK(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_32I, key.n, key.m, key.ldc), "layout C");
+  cublasLtMatmulPreference_t pref;
+  LDET_LT_CHECK(cublasLtMatmulPreferenceCreate(&pref), "preference");
+  const size_t workspace = 0;  // as at::_int_mm: no split-K workspace
+  const uint32_t al_a = uint32_t(key.align_b), al_b = uint32_t(key.align_a), al_c = uint32_t(key.align_c);
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof(workspace));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c));
+  cublasLtMatmulHeuristicResult_t res;
+  int found = 0;
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(at::cuda::getCurrentCUDABlasLtHandle(), p.op, p.a, p.b,
+                                                           p.c, p.c, pref, 1, &res, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
+    p.algo = res.algo;
+    p.have_algo = true;  // else cublasLtMatmul chooses per call, as at::_int_mm does
+  }
+  return p;
+}
+
+bool use_torch_route() {
+  static const bool torch_route = [] {
+    const char* env = std::getenv("LIGHTNING_DET_INT8_GEMM");
+    return env != nullptr && std::string(env) == "torch";
+  }();
+  return torch_route;
+}
+
+}  // namespace
+
+void int8_gemm_lt(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(a.scalar_type() == at::kChar && b.scalar_type() == at::kChar && out.scalar_type() == at::kInt,
+              "int8 GEMM: expected int8 operands and an int32 output");
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && out.dim() == 2 && a.size(1) == b.size(1) &&
+                  out.size(0) == a.size(0) && out.size(1) == b.size(0),
+              "int8 GEMM: expected a (M, K), b (N, K), out (M, N)");
+  TORCH_CHECK(a.stride(1) == 1 && b.stride(1) == 1 && out.is_contiguous(),
+              "int8 GEMM: expected unit column strides and a contiguous output");
+  if (use_torch_route()) {
+    at::_int_mm_out(out, a, b.t());
+    return;
+  }
+  const LtKey key{a.size(0), b.size(0), a.size(1), a.stride(0), b.stride(0), out.size(1),
+                  alignment(a.data_ptr()), alignment(b.data_ptr()), alignment(out.data_ptr()),
+                  int(out.get_device())};
+  static std::mutex mu;
+  static std::unordered_map<LtKey, LtPlan, LtKeyHash> cache;
+  // Shapes of one training run are few; past the cap a shape's plan is made and dropped per call.
+  constexpr size_t kCacheCap = 4096;
+  LtPlan plan;
+  bool cached = true;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) {
+      plan = it->second;
+    } else {
+      c10::cuda::CUDAGuard guard(out.device());
+      plan = make_plan(key);
+      if (cache.size() < kCacheCap) {
+        cache.emplace(key, plan);  // entries live as long as the process
+      } else {
+        cached = false;
+      }
+    }
+  }
+  const int32_t alpha = 1, beta = 0;
+  LDET_LT_CHECK(cublasLtMatmul(at::cuda::getCurrentCUDABlasLtHandle(), plan.op, &alpha, b.data_ptr(), plan.a,
+                               a.data_ptr(), plan.b, &beta, out.data_ptr(), plan.c, out.data_ptr(), plan.c,
+                               plan.have_algo ? &plan.algo : nullptr, nullptr, 0,
+                               c10::cuda::getCurrentCUDAStream()),
+                "cublasLtMatmul");
+  if (!cached) {
+    cublasLtMatrixLayoutDestroy(plan.a);
+    cublasLtMatrixLayoutDestroy(plan.b);
+    cublasLtMatrixLayoutDestroy(plan.c);
+    cublasLtMatmulDescDestroy(plan.op);
+  }
+}
+
+}  // namespace ldet
