@@ -28,6 +28,21 @@ inline int out_format(at::ScalarType dt) {
   return kFmtF32;
 }
 
+// scatter_sum's arguments (schema: csrc/schema/digits.cpp); the index range is checked by each
+// device (the CPU directly, CUDA with a device-side assert: no host synchronization).
+inline void check_scatter_sum_args(const at::Tensor& a, const at::Tensor& index, int64_t n_out) {
+  check_float_input(a, "a");
+  TORCH_CHECK(a.dim() == 2, "a: expected a 2-D (rows, width) tensor, got shape ", a.sizes());
+  TORCH_CHECK(index.scalar_type() == at::kLong && index.dim() == 1 && index.size(0) == a.size(0),
+              "index: expected a 1-D int64 tensor of ", a.size(0), " row indices, got ", index.scalar_type(), " of shape ",
+              index.sizes());
+  TORCH_CHECK(index.device() == a.device(), "index: expected device ", a.device(), " like a, got ", index.device());
+  TORCH_CHECK(n_out >= 0, "n_out: expected a count >= 0, got ", n_out);
+  // every output receives at most one accumulator per block of rows (csrc/cuda/digits_cuda.cu):
+  // inside the status counters' 2^21 additions for any count of rows this bound allows
+  TORCH_CHECK(a.size(0) < (int64_t(1) << 40), "a: expected fewer than 2^40 rows, got ", a.size(0));
+}
+
 inline void check_scale_exp(int64_t scale_exp) {
   TORCH_CHECK(scale_exp <= 0 && scale_exp >= -64, "scale_exp: expected an integer in [-64, 0], got ", scale_exp);
 }

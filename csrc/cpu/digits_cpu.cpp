@@ -1,7 +1,10 @@
-// CPU implementations of normalize / finalize / to_digits (schemas: csrc/schema/digits.cpp).
+// CPU implementations of normalize / finalize / to_digits / scatter_sum (schemas: csrc/schema/digits.cpp).
 #include <torch/library.h>
 
 #include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
 
 #include "op_checks.h"
 
@@ -59,12 +62,50 @@ at::Tensor to_digits_cpu(const at::Tensor& x) {
   return out;
 }
 
+at::Tensor scatter_sum_cpu(const at::Tensor& a, const at::Tensor& index, int64_t n_out) {
+  check_scatter_sum_args(a, index, n_out);
+  const at::Tensor ad = a.contiguous().to(at::kDouble);  // exact widening
+  const at::Tensor ic = index.contiguous();
+  const int64_t R = a.size(0), W = a.size(1);
+  const int64_t* idx = ic.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(idx[r] >= 0 && idx[r] < n_out, "index: expected values in [0, ", n_out, "), got ", idx[r],
+                " at position ", r);
+  at::Tensor out = at::zeros({n_out, W, LDET_WORDS}, a.options().dtype(at::kLong));
+  const double* src = ad.data_ptr<double>();
+  int64_t* o = out.data_ptr<int64_t>();
+  // Column blocks, rows in order: each output's accumulator is owned by one thread. An output
+  // is normalized after 2^20 additions (the status counters hold 2^21, longacc.h).
+  constexpr int64_t kBlock = 32, kInterval = int64_t(1) << 20;
+  const int64_t nblocks = (W + kBlock - 1) / kBlock;
+  at::parallel_for(0, nblocks, 1, [&](int64_t bb, int64_t be) {
+    std::vector<int64_t> since(size_t(n_out), 0);
+    for (int64_t blk = bb; blk < be; ++blk) {
+      const int64_t c0 = blk * kBlock, c1 = std::min(W, c0 + kBlock);
+      std::fill(since.begin(), since.end(), 0);
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t g = idx[r];
+        int64_t* og = o + g * W * LDET_WORDS;
+        for (int64_t c = c0; c < c1; ++c) add_value(og + c * LDET_WORDS, src[r * W + c]);
+        if (++since[size_t(g)] == kInterval) {
+          for (int64_t c = c0; c < c1; ++c) normalize(og + c * LDET_WORDS);
+          since[size_t(g)] = 0;
+        }
+      }
+      for (int64_t g = 0; g < n_out; ++g)
+        for (int64_t c = c0; c < c1; ++c) normalize(o + (g * W + c) * LDET_WORDS);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ldet, CPU, m) {
   m.impl("normalize", &normalize_cpu);
   m.impl("finalize", &finalize_cpu);
   m.impl("to_digits", &to_digits_cpu);
+  m.impl("scatter_sum", &scatter_sum_cpu);
 }
 
 }  // namespace ldet

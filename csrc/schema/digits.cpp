@@ -15,6 +15,10 @@ TORCH_LIBRARY_FRAGMENT(ldet, m) {
   m.def("finalize(Tensor acc, ScalarType dtype, int scale_exp=0) -> Tensor");
   // (...) float32/bfloat16/float16 -> canonical (..., 19) int64 holding each value exactly.
   m.def("to_digits(Tensor x) -> Tensor");
+  // a (R, W) float32/bfloat16/float16, index (R,) int64 in [0, n_out) -> canonical (n_out, W, 19):
+  // out[g, j] = the exact sum of a[r, j] over the rows r with index[r] == g (an embedding's
+  // weight gradient). Exact, so independent of row order; no (R, W, 19) temporary.
+  m.def("scatter_sum(Tensor a, Tensor index, int n_out) -> Tensor");
   // Layout constants of the compiled core, checked against lightning_det/profile.py at load.
   m.def("layout() -> int[]", []() {
     return std::vector<int64_t>{ldet::LDET_NDIGITS, ldet::LDET_WORDS, ldet::LDET_LSB_EXP,

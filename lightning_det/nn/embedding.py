@@ -7,34 +7,13 @@ from torch import nn
 
 from ._swap import swap_class
 
-from ..ops import det_finalize, det_normalize, to_digits
+from ..ops import det_finalize, scatter_sum_digits
 from ..ops.trust import trusted_fn
 from .grad_digits import contribute_grad, digit_mode, note_forward_use
 
 __all__ = ["DetEmbedding"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-_WORDS = 19
-# Rows of gradient digits converted at a time: bounds the (rows, D, 19) int64 temporary.
-_CHUNK_BYTES = 64 << 20
-# A canonical digit absorbs 2^31 - 2 additions (csrc/longacc.h); normalize well inside that.
-_NORM_ROWS = 1 << 30
-
-
-def _scatter_digits(idx: torch.Tensor, gy2: torch.Tensor, n_out: int) -> torch.Tensor:
-    """Canonical LongAcc (n_out, D, 19): out[idx[i]] += gy2[i], exactly, in any order."""
-    d = gy2.shape[1]
-    out = torch.zeros((n_out, d, _WORDS), dtype=torch.int64, device=gy2.device)
-    step = max(1, _CHUNK_BYTES // max(1, d * _WORDS * 8))
-    since = 0
-    for s in range(0, gy2.shape[0], step):
-        # Integer index_add_ is exact and order-free, so even atomics on CUDA cannot change it.
-        out.index_add_(0, idx[s : s + step], to_digits(gy2[s : s + step]))
-        since += min(step, gy2.shape[0] - s)
-        if since >= _NORM_ROWS:
-            out = det_normalize(out)
-            since = 0
-    return det_normalize(out)
 
 
 class _DetEmbeddingFn(torch.autograd.Function):
@@ -63,7 +42,7 @@ class _DetEmbeddingFn(torch.autograd.Function):
         def rounded() -> torch.Tensor:
             # Only the rows that occur: a (V, D, 19) temporary would be 152x the weight's size.
             uniq, inv = torch.unique(idx1, return_inverse=True)
-            rows = det_finalize(_scatter_digits(inv, gy2, uniq.shape[0]), out_dtype)
+            rows = det_finalize(scatter_sum_digits(gy2, inv, uniq.shape[0]), out_dtype)
             gw = torch.zeros(weight.shape, dtype=out_dtype, device=weight.device)
             gw[uniq] = rows
             if pad is not None:
@@ -71,7 +50,7 @@ class _DetEmbeddingFn(torch.autograd.Function):
             return gw
 
         def digits() -> torch.Tensor:
-            acc = _scatter_digits(idx1, gy2, weight.shape[0])
+            acc = scatter_sum_digits(gy2, idx1.long(), weight.shape[0])
             if pad is not None:
                 acc[pad] = 0
             return acc

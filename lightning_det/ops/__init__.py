@@ -9,6 +9,7 @@ from .longacc import (
     det_normalize,
     gemm_path,
     last_slices_plan,
+    scatter_sum_digits,
     to_digits,
 )
 
@@ -22,5 +23,6 @@ __all__ = [
     "det_all_reduce",
     "gemm_path",
     "last_slices_plan",
+    "scatter_sum_digits",
     "to_digits",
 ]

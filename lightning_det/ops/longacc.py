@@ -29,6 +29,7 @@ __all__ = [
     "det_normalize",
     "gemm_path",
     "last_slices_plan",
+    "scatter_sum_digits",
     "to_digits",
 ]
 
@@ -248,6 +249,30 @@ def to_digits(x: torch.Tensor) -> LongAcc:
     return _ops().to_digits(x)
 
 
+def scatter_sum_digits(a: torch.Tensor, index: torch.Tensor, n_out: int) -> LongAcc:
+    """Exact sums of the rows of ``a`` grouped by ``index``, as canonical digits.
+
+    ``out[g, j]`` = the exact sum of ``a[r, j]`` over the rows ``r`` with ``index[r] == g``
+    (an embedding's weight gradient, a segment sum). Exact, so the row order, the batch split
+    and the device never show in the bytes; no ``(R, W, 19)`` temporary is made.
+
+    Args:
+        a: (R, W) float32 / bfloat16 / float16.
+        index: (R,) int64, every value in ``[0, n_out)`` (on CUDA checked by a device-side assert).
+        n_out: number of output rows (>= 0).
+
+    Returns:
+        LongAcc (n_out, W, 19), canonical; rows that no index names are exact zeros.
+    """
+    _check_float(a, "a")
+    _check_device(a, "a")
+    if not isinstance(index, torch.Tensor) or index.dtype != torch.int64:
+        raise TypeError(f"index: expected an int64 torch.Tensor, got {getattr(index, 'dtype', type(index).__name__)}")
+    if not isinstance(n_out, int) or n_out < 0:
+        raise ValueError(f"n_out: expected an integer >= 0, got {n_out!r}")
+    return _ops().scatter_sum(a, index, n_out)
+
+
 def _register_fakes() -> None:
     lib = "ldet::"
 
@@ -270,6 +295,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake(lib + "to_digits")
     def _(x):
         return x.new_empty((*x.shape, WORDS), dtype=torch.int64)
+
+    @torch.library.register_fake(lib + "scatter_sum")
+    def _(a, index, n_out):
+        return a.new_empty((n_out, a.shape[1], WORDS), dtype=torch.int64)
 
     def _gemm_setup(ctx, inputs, output):
         x, w, bias, out_dtype = inputs
