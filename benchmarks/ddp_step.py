@@ -77,7 +77,8 @@ def child(args):
         def on_train_batch_start(self, trainer, *a):
             if args.profile and trainer.global_step == 4 and trainer.global_rank == 0:
                 self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
-                    [torch.profiler.ProfilerActivity.CUDA] if args.accelerator == "gpu" else []))
+                    [torch.profiler.ProfilerActivity.CUDA] if args.accelerator == "gpu" else []),
+                    with_stack=args.profile_stacks)
                 self.prof.__enter__()
             if torch.cuda.is_available() and args.accelerator == "gpu":
                 torch.cuda.synchronize()
@@ -93,6 +94,10 @@ def child(args):
                                     else "self_cuda_time_total"))
                 for what, key in keys:
                     self.tables[what] = avg.table(sort_by=key, row_limit=30, max_name_column_width=60).splitlines()
+                if args.profile_stacks:  # which Python lines launch the most ops (host time)
+                    by_stack = self.prof.key_averages(group_by_stack_n=6)
+                    self.tables["cpu_by_stack"] = by_stack.table(sort_by="cpu_time_total", row_limit=40,
+                                                                 max_name_column_width=40).splitlines()
 
         def on_train_batch_end(self, trainer, pl_module, *a):
             if torch.cuda.is_available() and args.accelerator == "gpu":
@@ -154,6 +159,8 @@ def main(argv=None):
     p.add_argument("--child", action="store_true")
     p.add_argument("--strategy", default="det_ddp")
     p.add_argument("--profile", action="store_true", help="torch.profiler table of the steps after the 4th")
+    p.add_argument("--strategies", default="", help="comma-separated subset, e.g. det_ddp,ddp (baseline last)")
+    p.add_argument("--profile-stacks", action="store_true", help="with --profile: also group host time by Python stack")
     p.add_argument("--breakdown", action="store_true",
                    help="CUDA: record allocations and report what is alive at each run's peak (slower steps)")
     p.add_argument("--out", default="", help="(internal) the child's row file")
@@ -167,6 +174,8 @@ def main(argv=None):
     # det_ddp_no_eager: the same run holding all gradients as digits until the step (one process
     # only: with several, nothing is rounded in the backward anyway)
     strategies = ("det_ddp", "det_ddp_no_eager", "ddp") if args.devices == 1 else ("det_ddp", "ddp")
+    if args.strategies:  # e.g. a profile of det_ddp and its baseline only
+        strategies = tuple(args.strategies.split(","))
     for strategy in strategies:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             out = f.name
@@ -174,6 +183,7 @@ def main(argv=None):
                "--accelerator", args.accelerator, "--devices", str(args.devices), "--width", str(args.width),
                "--batch", str(args.batch), "--steps", str(args.steps)]
         cmd += (["--breakdown"] if args.breakdown else []) + (["--profile"] if args.profile else [])
+        cmd += ["--profile-stacks"] if args.profile_stacks else []
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
         subprocess.run(cmd, check=True, env=env, timeout=1800)
         rows.append(json.loads(Path(out).read_text()))
