@@ -51,11 +51,13 @@ def test_row_order_never_shows_and_plain_index_add_does():
 
 def test_bad_arguments_name_themselves():
     a = torch.ones(4, 3)
-    with pytest.raises(RuntimeError, match="index"):
+    with pytest.raises(ValueError, match=r"index: expected values in \[0, 4\), got 5"):
         scatter_sum_digits(a, torch.tensor([0, 1, 2, 5]), 4)
+    with pytest.raises(ValueError, match=r"index: expected shape \(4,\)"):
+        scatter_sum_digits(a, torch.tensor([0, 1, 2]), 4)
     with pytest.raises(TypeError, match="index"):
         scatter_sum_digits(a, torch.tensor([0, 1, 2, 3], dtype=torch.int32), 4)
-    with pytest.raises(RuntimeError, match="a: expected a 2-D"):
+    with pytest.raises(ValueError, match="a: expected a 2-D"):
         scatter_sum_digits(torch.ones(4), torch.tensor([0, 1, 2, 3]), 4)
     with pytest.raises(ValueError, match="n_out"):
         scatter_sum_digits(a, torch.tensor([0, 1, 2, 3]), -1)

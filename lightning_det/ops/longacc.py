@@ -270,6 +270,15 @@ def scatter_sum_digits(a: torch.Tensor, index: torch.Tensor, n_out: int) -> Long
         raise TypeError(f"index: expected an int64 torch.Tensor, got {getattr(index, 'dtype', type(index).__name__)}")
     if not isinstance(n_out, int) or n_out < 0:
         raise ValueError(f"n_out: expected an integer >= 0, got {n_out!r}")
+    if a.dim() != 2:
+        raise ValueError(f"a: expected a 2-D (rows, width) tensor, got shape {tuple(a.shape)}")
+    if index.dim() != 1 or index.shape[0] != a.shape[0]:
+        raise ValueError(f"index: expected shape ({a.shape[0]},) (one per row of a), got {tuple(index.shape)}")
+    if index.device != a.device:
+        raise ValueError(f"index: expected device {a.device} like a, got {index.device}")
+    if index.device.type == "cpu" and index.numel() and (int(index.min()) < 0 or int(index.max()) >= n_out):
+        bad = int(index[(index < 0) | (index >= n_out)][0])
+        raise ValueError(f"index: expected values in [0, {n_out}), got {bad}")
     return _ops().scatter_sum(a, index, n_out)
 
 
