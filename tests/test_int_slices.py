@@ -228,16 +228,29 @@ def test_output_column_chunks_and_operand_copies(monkeypatch, contiguous):
     assert last_slices_plan()["residues_w"] >= 4
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_outputs_the_128_bit_route_leaves():
-    # A bias of 2^-100 lies below every output's unit, so the 128-bit route must leave those
-    # outputs to the long accumulator: a few columns (their indices listed), then every column
-    # (more than the list holds: the long accumulator redoes all outputs). Outputs left unwritten
-    # or summed wrongly show against the kernel and the CPU.
+def bias_below_the_unit_cases():
+    """Operands plus biases of 2^-100, below every output's unit, in a few columns and in all: the
+    128-bit route must leave those outputs to the long accumulator. Rows 4:8 of x are zero, so
+    there the output is the bias itself."""
     x, w = planted_residue_operands(M=600, N=100, K=1024)
-    x[4:8] = 0  # rows of exact zeros: there the output is the bias itself
+    x[4:8] = 0
     for cols in (slice(3, 6), slice(None)):
         b = torch.zeros(100)
         b[cols] = 2.0**-100
+        yield x, w, b, cols
+
+
+def test_outputs_the_128_bit_route_leaves():
+    for x, w, b, cols in bias_below_the_unit_cases():
+        assert_same_everywhere(x, w, b, f"bias below the unit in columns {cols}")
+        with gemm_path("slices"):
+            assert torch.all(det_gemm(x, w, b, out_dtype=torch.float32)[4:8, cols] == 2.0**-100)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_outputs_the_128_bit_route_leaves():
+    # on CUDA the leftovers are listed (a few columns) or, past the list's capacity (every
+    # column), all outputs are redone by the long accumulator: unwritten or wrong outputs show
+    for x, w, b, cols in bias_below_the_unit_cases():
         xc, wc, bc = assert_cuda_same_as_kernel_and_cpu(x, w, b, f"bias below the unit in columns {cols}")
         assert torch.all(det_gemm(xc, wc, bc, out_dtype=torch.float32)[4:8, cols].cpu() == 2.0**-100)

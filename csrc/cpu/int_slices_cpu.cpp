@@ -141,6 +141,38 @@ Elems elems_of(const at::Tensor& a) {
   return {a.data_ptr(), kind, a.stride(0)};
 }
 
+template <int DC>
+void combine_rows(const int32_t* c, int64_t pstride, int64_t Ncp, int64_t M, int64_t Nv, const int32_t* sx,
+                  const int32_t* sw, const Residues& rx, const Elems& ex, const Residues& rw, const Elems& ew,
+                  const double* bp, int bits, int fmt, void* o) {
+  at::parallel_for(0, M, 8, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m) {
+      const int Fx = rx.F ? rx.F[m] : 0;
+      for (int64_t n = 0; n < Nv; ++n) {
+        const int32_t* cp = c + m * Ncp + n;
+        const int E = -(sx[m] + sw[n]);
+        const int F = Fx + (rw.F ? rw.F[n] : 0);
+        const double* bn = bp ? bp + n : nullptr;
+        const ResidueTerms terms{rx, ex, sx[m], m, rw, ew, n};
+        float v;
+        if (!combine_output_fast<DC>(cp, pstride, 1, DC, bits, E, F, bn, fmt, terms, &v))
+          combine_output_digits(cp, pstride, 1, DC, bits, E, bn, fmt, terms, &v, nullptr);
+        store_fmt(o, m * Nv + n, v, fmt);
+      }
+    }
+  });
+}
+
+template <int DC = kMaxDiagonals>
+void combine_rows_fixed_d(int D, const int32_t* c, int64_t pstride, int64_t Ncp, int64_t M, int64_t Nv,
+                          const int32_t* sx, const int32_t* sw, const Residues& rx, const Elems& ex, const Residues& rw,
+                          const Elems& ew, const double* bp, int bits, int fmt, void* o) {
+  if constexpr (DC >= 1) {
+    if (D == DC) return combine_rows<DC>(c, pstride, Ncp, M, Nv, sx, sw, rx, ex, rw, ew, bp, bits, fmt, o);
+    combine_rows_fixed_d<DC - 1>(D, c, pstride, Ncp, M, Nv, sx, sw, rx, ex, rw, ew, bp, bits, fmt, o);
+  }
+}
+
 at::Tensor combine_cpu(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOperand& x, const SliceOperand& w,
                        const at::Tensor& bias, int64_t D, int64_t bits, bool wide, bool digits,
                        at::ScalarType out_dtype) {
@@ -157,6 +189,12 @@ at::Tensor combine_cpu(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOp
   const Elems ex = elems_of(x.a), ew = elems_of(w.a);
   const double* bp = bias.defined() ? bias.data_ptr<double>() : nullptr;
   void* o = out.data_ptr();
+  if (!digits && wide && nch == 1 && D >= 1 && D <= kMaxDiagonals) {
+    // the common case: rounded outputs, one K-chunk, D known at compile time (the Horner sum
+    // unrolled, as on CUDA); an output the 128-bit route cannot take goes to the long accumulator
+    combine_rows_fixed_d(int(D), c, Mp * Ncp, Ncp, M, Nv, sx, sw, rx, ex, rw, ew, bp, int(bits), fmt, o);
+    return out;
+  }
   at::parallel_for(0, M, 8, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) {
       for (int64_t n = 0; n < Nv; ++n) {
