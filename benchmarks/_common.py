@@ -32,10 +32,15 @@ def device_slug(device: str) -> str:
 
 
 def commit() -> str:
-    if os.environ.get("LDET_COMMIT"):  # the device machine gets a copy of the tree without .git
+    if os.environ.get("LDET_COMMIT"):  # the commit sent to a device, whose copied git metadata may be older
         return os.environ["LDET_COMMIT"]
     try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, text=True).strip()
+        here = Path(__file__).parent
+        sha = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=here, text=True).strip()
+        # tracked files changed since that commit (a device copy of a newer tree, work in progress):
+        # say so instead of naming a commit that did not run
+        dirty = subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, text=True)
+        return sha + ("+modified" if dirty.strip() else "")
     except Exception:  # noqa: BLE001 - a results file without a commit is still useful
         return "unknown"
 
