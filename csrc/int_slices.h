@@ -268,7 +268,7 @@ LDET_HD bool combine_output_fast(const int32_t* c, int64_t pstride, int nch, int
   // Horner from the top diagonal: constant shifts only, modular (unsigned) arithmetic
   u128 T = 0;
   if (DC > 0) {
-    // one K-chunk and DC == D diagonals known at compile time (CUDA's combine_fast_kernel): every
+    // one K-chunk and DC == D diagonals known at compile time (both devices' common case): every
     // load first, so their latencies overlap, and no work for absent diagonals
     int32_t v[DC > 0 ? DC : 1];
 #pragma unroll
