@@ -106,3 +106,27 @@ def test_from_linear_keeps_parameter_objects():
 def test_bad_input_shape():
     with pytest.raises(ValueError, match=r"^input: expected last dimension in_features=6"):
         DetLinear(6, 2)(torch.randn(3, 5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bias_grad_is_the_exact_column_sum_with_specials(dtype):
+    # db = exact column sums of dY rounded once: the bytes of the GEMM against a row of ones
+    # (the route it replaced) and of the Python-integer reference; inf / NaN columns as IEEE says
+    from lightning_det.ops import det_gemm, det_gemm_partial
+
+    lin = make(in_f=40, out_f=9, dtype=dtype)
+    x = gen.normal((300, 40), dtype, 11)
+    gy = gen.wide_exponents((300, 9), -40, 40, dtype, seed=12)
+    gy[5, 2], gy[7, 3], gy[8, 3], gy[9, 4] = float("inf"), float("inf"), float("-inf"), float("nan")
+    lin(x).backward(gy)
+    ones = torch.ones(1, 300, dtype=dtype)
+    assert_bitwise(lin.bias.grad, det_gemm(gy.t(), ones, out_dtype=dtype).reshape(-1), "db vs the GEMM with ones")
+    finite = [0, 1, 5, 6, 7, 8]
+    assert_bitwise(lin.bias.grad[finite], R.gemm_rounded(gy.t()[finite], ones, None, dtype).reshape(-1), "db exact")
+    assert lin.bias.grad[2] == float("inf") and lin.bias.grad[3].isnan() and lin.bias.grad[4].isnan()
+    # digit mode: the same digits as the GEMM route's
+    lin.zero_grad(set_to_none=True)
+    set_grad_digits(lin, True)
+    lin(x).backward(gy)
+    assert torch.equal(grad_digits(lin.bias), det_gemm_partial(gy.t(), ones).squeeze(-2))
+    set_grad_digits(lin, False)

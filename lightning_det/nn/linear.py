@@ -6,8 +6,9 @@ from torch import nn
 
 from ._swap import swap_class
 
-from ..ops import det_gemm, det_gemm_partial
+from ..ops import det_finalize, det_gemm, det_gemm_partial
 from ..ops.trust import trusted
+from .functional import det_col_sums
 from .grad_digits import contribute_grad, digit_mode, note_forward_use
 
 __all__ = ["DetLinear"]
@@ -52,7 +53,8 @@ class _DetLinearFn(torch.autograd.Function):
         want_w = ctx.needs_input_grad[1]
         want_b = ctx.has_bias and ctx.needs_input_grad[2]
         g2t = g2.t()
-        ones = g2.new_ones((1, g2.shape[0])) if want_b else None
+        # db[n] = sum_m dY[m, n]: exact column sums (no GEMM against a row of ones: that took the
+        # slice route's plan, its host synchronization and an int8 GEMM 8 columns wide)
         if digit_mode(ctx.module):
             # unrounded sums over every batch row, left for the owner of the step to round once
             # (or, when this is provably the only contribution, rounded here: grad_digits)
@@ -61,13 +63,13 @@ class _DetLinearFn(torch.autograd.Function):
                 contribute_grad(module, module.weight, lambda: det_gemm_partial(g2t, x2.t()),
                                 lambda: det_gemm(g2t, x2.t(), out_dtype=weight.dtype))
             if want_b:
-                contribute_grad(module, module.bias, lambda: det_gemm_partial(g2t, ones).squeeze(-2),
-                                lambda: det_gemm(g2t, ones, out_dtype=module.bias.dtype).reshape(-1))
+                contribute_grad(module, module.bias, lambda: det_col_sums(g2),
+                                lambda: det_finalize(det_col_sums(g2), module.bias.dtype))
             return gx, None, None, None
         if want_w:
             gw = det_gemm(g2t, x2.t(), out_dtype=weight.dtype)
         if want_b:
-            gb = det_gemm(g2t, ones, out_dtype=ctx.module.bias.dtype).reshape(-1)
+            gb = det_finalize(det_col_sums(g2), ctx.module.bias.dtype)
         return gx, gw, gb, None
 
 
