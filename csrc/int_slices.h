@@ -301,11 +301,14 @@ LDET_HD bool combine_output_fast(const int32_t* c, int64_t pstride, int nch, int
 
 // One output of the combine: the 128-bit route where `wide` and a rounded output allow it, else
 // the long accumulator (combine_output_digits), which also gives the digits (acc_out non-null).
+// DC: as combine_output_fast (D at compile time for one K-chunk, or 0).
+template <int DC = 0>
 LDET_HD void combine_output(const int32_t* c, int64_t pstride, int nch, int D, int bits, int E, int F,
                             const double* bias, bool wide, int fmt, const ResidueTerms& terms, float* out_val,
                             int64_t* acc_out) {
 #if defined(__SIZEOF_INT128__)
-  if (acc_out == nullptr && wide && combine_output_fast(c, pstride, nch, D, bits, E, F, bias, fmt, terms, out_val))
+  if (acc_out == nullptr && wide &&
+      combine_output_fast<DC>(c, pstride, nch, D, bits, E, F, bias, fmt, terms, out_val))
     return;
 #endif
   combine_output_digits(c, pstride, nch, D, bits, E, bias, fmt, terms, out_val, acc_out);
