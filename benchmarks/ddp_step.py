@@ -116,7 +116,10 @@ def child(args):
                         enable_model_summary=False, callbacks=[timer])
     if args.accelerator == "gpu":
         torch.cuda.reset_peak_memory_stats()
-    trainer.fit(model, dl)
+    from lightning_det.ops import slices_guess
+
+    with slices_guess(args.slices_guess):  # "sync": each slice GEMM waits for its own plan
+        trainer.fit(model, dl)
     if trainer.global_rank == 0:
         warm = model.times[3:] or model.times
         if args.accelerator == "gpu":
@@ -130,7 +133,7 @@ def child(args):
             "strategy": args.strategy, "devices": args.devices, "params": params,
             "step_ms": 1e3 * statistics.median(warm), "peak_bytes": peak,
             "allreduce_bytes_per_grad_element": bytes_per_elem,
-            "allreduce_bytes_per_step": sync.get("bytes", 4 * params),
+            "allreduce_bytes_per_step": sync.get("bytes", 4 * params), "slices_guess": args.slices_guess,
         }
         if det:
             row["eager_rounded_params"] = sync.get("eager", 0)
@@ -163,6 +166,8 @@ def main(argv=None):
     p.add_argument("--profile-stacks", action="store_true", help="with --profile: also group host time by Python stack")
     p.add_argument("--breakdown", action="store_true",
                    help="CUDA: record allocations and report what is alive at each run's peak (slower steps)")
+    p.add_argument("--slices-guess", default="default", choices=["default", "sync", "cached"],
+                   help="how slice GEMMs plan (lightning_det.ops.slices_guess)")
     p.add_argument("--out", default="", help="(internal) the child's row file")
     p.add_argument("--results", default=None, help="results path (default: benchmarks/results/<device>-ddp_step.json)")
     args = p.parse_args(argv)
@@ -184,6 +189,7 @@ def main(argv=None):
                "--batch", str(args.batch), "--steps", str(args.steps)]
         cmd += (["--breakdown"] if args.breakdown else []) + (["--profile"] if args.profile else [])
         cmd += ["--profile-stacks"] if args.profile_stacks else []
+        cmd += ["--slices-guess", args.slices_guess]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
         subprocess.run(cmd, check=True, env=env, timeout=1800)
         rows.append(json.loads(Path(out).read_text()))
@@ -198,6 +204,7 @@ def main(argv=None):
           "bytes per gradient element")
     device = "cuda" if args.accelerator == "gpu" else "cpu"
     path = write("ddp_step", device, rows, extra={"summary": summary, "world_size": args.devices,
+                                                 "slices_guess": args.slices_guess,
                                                  "model": f"emb-LN-MLP width {args.width}", "global_batch": args.batch},
                  path=args.results)
     print(f"wrote {path}")

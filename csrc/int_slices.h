@@ -82,6 +82,25 @@ LDET_HD int row_plan(const int* hist, int hi, int lo, int bits, int* depth, int*
   return need;
 }
 
+LDET_HD int ceil_log2(int64_t v) {
+  int b = 0;
+  while ((int64_t(1) << b) < v) ++b;
+  return b;
+}
+
+// Whether the combine's 128-bit sum is proven for slice counts (Sa, Sb), K cut into nch chunks of
+// Kc, from both operands' summaries (kSum*, of the rows that fit at those counts): the diagonal
+// sums |sum_d C_d 2^(bits d)| < 2^base; times 2^Fmax, plus residue terms (each below
+// 2^(F + bits S - 2), at most 2 kResidueCap of them) and a bias below 2^100, it stays below
+// 2^126. The host asks before it slices; a guessed plan (int_slices_host.h) asks on the device.
+LDET_HD bool slices_wide(const int32_t* sx, const int32_t* sw, int Sa, int Sb, int64_t nch, int64_t Kc, int bits) {
+  if (Sa == 0 || Sb == 0) return true;  // no products: nothing to bound
+  const int pairs = Sa < Sb ? Sa : Sb;
+  const int Fmax = sx[kSumDepth + Sa - 1] + sw[kSumDepth + Sb - 1];
+  const int base = ceil_log2(nch * Kc) + ceil_log2(pairs) + bits * (Sa + Sb) - 1;
+  return base + Fmax <= 124 && Fmax + bits * (Sa > Sb ? Sa : Sb) + 4 <= 124;
+}
+
 // The least significant balanced digit of X, which then drops it (X becomes (X - d) / 2^bits).
 LDET_HD int8_t next_digit(int64_t& X, int bits) {
   const int64_t half = int64_t(1) << (bits - 1), mask = (int64_t(1) << bits) - 1;
@@ -105,8 +124,13 @@ enum ElemKind { kElemF32 = 0, kElemBF16 = 1, kElemF16 = 2 };
 
 LDET_HD double fp16_bits_to_double(uint16_t h) {
   const int e = (h >> 10) & 0x1f;
-  const double mag = e == 0 ? double(h & 0x3ff) * pow2(-24) : double((h & 0x3ff) | 0x400) * pow2(e - 25);
-  return (h & 0x8000) ? -mag : mag;  // inputs are finite here (rows with inf/NaN never have residues)
+  double mag;
+  if (e == 0x1f) {  // inf / NaN: rows holding them reach exact_output, never a residue term
+    mag = (h & 0x3ff) ? double_of(0x7ff8000000000000ULL) : double_of(0x7ff0000000000000ULL);
+  } else {
+    mag = e == 0 ? double(h & 0x3ff) * pow2(-24) : double((h & 0x3ff) | 0x400) * pow2(e - 25);
+  }
+  return (h & 0x8000) ? -mag : mag;
 }
 
 // A row-major (R, ld) operand of fp32 / bf16 / fp16 elements, read exactly as fp64.
@@ -246,6 +270,31 @@ LDET_HD void combine_output_digits(const int32_t* c, int64_t pstride, int nch, i
   // exact products of parts of the inputs; add_value: an output of a row left to the kernel
   // (recomputed there) may meet inf/NaN here, which must not index past the digits
   terms.each([&](double t) { add_value(acc, t); });
+  if (bias != nullptr) add_value(acc, *bias);
+  normalize(acc);
+  if (acc_out != nullptr) {
+    for (int i = 0; i < LDET_WORDS; ++i) acc_out[i] = acc[i];
+  } else {
+    *out_val = finalize_fmt(acc, fmt);
+  }
+}
+
+// One output straight from the operands: x[m, :] . w[n, :] (+ bias), every product exact in fp64
+// (inf/NaN as the long accumulator's status flags), rounded once to fmt into *out_val, or its
+// digits into acc_out. For the rows a guessed slice plan left out (int_slices_host.h): the same
+// exact sum as the long-accumulator kernel's, so the same bytes.
+LDET_HD void exact_output(const Elems& x, int64_t m, const Elems& w, int64_t n, int64_t K, const double* bias,
+                          int fmt, float* out_val, int64_t* acc_out) {
+  int64_t acc[LDET_WORDS];
+  zero(acc);
+  int64_t adds = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    add_value(acc, x.at(m, k) * w.at(n, k));
+    if (++adds == LDET_NORM_INTERVAL) {
+      normalize(acc);
+      adds = 0;
+    }
+  }
   if (bias != nullptr) add_value(acc, *bias);
   normalize(acc);
   if (acc_out != nullptr) {

@@ -15,6 +15,10 @@
 #include <cstdlib>
 #include <string>
 #include <functional>
+#include <tuple>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
 #include <utility>
 
 #include "int_slices.h"
@@ -62,24 +66,51 @@ inline SliceOperand new_slice_operand(const at::Tensor& a, int64_t Rp, int64_t w
   return so;
 }
 
+// The combine's proof that its 128-bit sum cannot overflow, when the host could not decide it
+// before slicing (a guessed plan): the backend evaluates slices_wide on both operands' summaries
+// where they are (int_slices.h). sums == nullptr: the host's `wide` stands.
+struct WideCheck {
+  const int32_t* sums;  // x's summary, then w's (2 kSumLen int32, on the operands' device)
+  int Sx, Sw;
+  int64_t nch, Kc;
+};
+
+// Both operands' summaries on their way to the host without a synchronization (a guessed plan
+// reads them at the GEMM's next call with the same shapes): `host` is valid once ready().
+struct PendingSummary {
+  at::Tensor host;
+  virtual bool ready() = 0;
+  virtual ~PendingSummary() = default;
+};
+
 struct SliceBackend {
   // Per row (R, 3) int32: the exponent of its largest |value|, the slices it needs (residues
   // allowed: int_slices.h, row_plan; kSliceNeedBad for a row holding inf/NaN or that no S holds,
-  // 0 for an all-zero row) and its lowest set bit. Also the operand's summary (kSumLen,) int32.
-  std::pair<at::Tensor, at::Tensor> (*row_needs)(const at::Tensor& a, int64_t bits);
+  // 0 for an all-zero row) and its lowest set bit. Adds the operand's summary into `sum`
+  // ((kSumLen,) int32, zeroed by the caller).
+  at::Tensor (*row_needs)(const at::Tensor& a, int64_t bits, at::Tensor& sum);
   // The slices at S: int8 (Rp, nch * S * Kc): for chunk c and slice s (slot s, or S-1-s when
   // reverse) the columns [(c*S + slot) * Kc, +Kc) hold slice s of a[:, c*Kc : (c+1)*Kc]'s window
   // parts; zero padding and zero rows for rows needing more than S. Also the scales and, when
-  // `residues`, the residue lists (SliceOperand).
+  // `residues`, the residue lists (SliceOperand). left: undefined, or (R + 1,) int32 zeros that
+  // receive the rows needing more than S (left[0] their count, left[1..] the rows, any order).
   SliceOperand (*make_slices)(const at::Tensor& a, const at::Tensor& needs, int64_t S, int64_t bits, bool reverse,
-                              int64_t Kc, int64_t nch, int64_t Rp, bool residues);
+                              int64_t Kc, int64_t nch, int64_t Rp, bool residues, const at::Tensor& left);
   // Rounded (M, Nv) of out_dtype, or digits (M, Nv, 19), from C (nch * D, Mp, Ncp) int32 and
-  // both operands' residues (w's narrowed to the chunk's Nv rows).
+  // both operands' residues (w's narrowed to the chunk's Nv rows). `wide`, or check.sums: the
+  // 128-bit route's proof (WideCheck).
   at::Tensor (*combine)(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOperand& x, const SliceOperand& w,
-                        const at::Tensor& bias, int64_t D, int64_t bits, bool wide, bool digits,
-                        at::ScalarType out_dtype);
+                        const at::Tensor& bias, int64_t D, int64_t bits, bool wide, const WideCheck& check,
+                        bool digits, at::ScalarType out_dtype);
   // out (M, N) int32 = a (M, K) . b (N, K)^T for int8 row-major views (exact int32 sums).
   void (*int8_mm)(at::Tensor& out, const at::Tensor& a, const at::Tensor& b);
+  // Overwrites the outputs of the rows listed in `left` (make_slices' list: x's rows when x_rows,
+  // else w's, i.e. output columns) with exact_output's: out (M, N) of out_dtype or digits
+  // (M, N, 19); bias fp64 (N,) or undefined.
+  void (*exact_rows)(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+                     const at::Tensor& left, bool x_rows, bool digits, at::ScalarType out_dtype);
+  // Both summaries (2 kSumLen int32) copied toward the host without waiting for them.
+  std::shared_ptr<PendingSummary> (*summary_later)(const at::Tensor& sums);
   int bits;          // digit width: 8, or 7 where the int8 GEMM could saturate 16-bit pair sums
   // Auto mode: M*N*K from which the slices beat the long-accumulator kernel, when an input is
   // fp32 (the kernel then splits it into four products) and when both are bf16 / fp16. Measured
@@ -91,11 +122,20 @@ struct SliceBackend {
   double term_macs;
   // chunk_columns' rule for the int8 GEMM library: 0, or the most outputs a chunk may hold.
   int64_t chunk_max_outputs;
+  // Whether slice GEMMs plan from cached guesses unless told otherwise (set_slices_guess): CUDA,
+  // where the host synchronization per GEMM kept the host from running ahead of the GPU.
+  bool guess_by_default;
 };
 
 // The plan of the last GEMM this thread ran on the slices: Sx, Sw, x's and w's residues, x's and
 // w's rows left to the kernel (tests and benchmarks read it: lightning_det.ops.last_slices_plan).
+// A guessed plan (below) records -1 for the counts it did not wait for.
 std::array<int64_t, 6>& last_slices_plan();
+
+// How slice GEMMs get their plan (set_slices_guess, csrc/schema/gemm.cpp): {-1, -1} the backend's
+// default, {-2, -2} cached guesses on every device, {0, 0} from this call's summaries (one host
+// synchronization), {Sx, Sw} >= 1 that fixed guess (tests: guesses too small and too large).
+std::array<int64_t, 2> slices_guess_mode();
 
 // Each device's kernels (csrc/cpu/int_slices_cpu.cpp, csrc/cuda/int_slices_cuda.cu).
 const SliceBackend& slice_backend_cpu();
@@ -104,12 +144,6 @@ const SliceBackend& slice_backend_cuda();
 using LongAccGemm = std::function<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&)>;
 
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
-
-inline int ceil_log2(int64_t v) {
-  int b = 0;
-  while ((int64_t(1) << b) < v) ++b;
-  return b;
-}
 
 // The N-chunk width Nc and the padded column count Np (>= N, a multiple of 8; the last chunk may
 // be narrower) for int32 diagonals (P, Mp, Nc) within cap_mib. max_outputs > 0 (CUDA): every chunk
@@ -155,13 +189,8 @@ inline SlicePlan plan_slices(const int32_t* sx, const int32_t* sw, int64_t M, in
                              double term_macs) {
   auto plan_for = [&](int64_t Sa, int64_t Sb) {
     SlicePlan p{Sa, Sb, 0, 0, true};
-    const int64_t pairs = slice_k_chunks(K, Sa, Sb, bits, &p.Kc, &p.nch);
-    if (Sa == 0 || Sb == 0) return p;  // no products: nothing to bound
-    const int64_t Fmax = sx[kSumDepth + Sa - 1] + sw[kSumDepth + Sb - 1];
-    // |sum_d C_d 2^(bits d)| < 2^base; times 2^F, plus residue terms (each below
-    // 2^(F + bits S - 2), at most 2 kResidueCap of them) and a bias below 2^100: below 2^126
-    const int64_t base = ceil_log2(p.nch * p.Kc) + ceil_log2(pairs) + bits * (Sa + Sb) - 1;
-    p.wide = base + Fmax <= 124 && Fmax + bits * std::max(Sa, Sb) + 4 <= 124;
+    slice_k_chunks(K, Sa, Sb, bits, &p.Kc, &p.nch);
+    p.wide = slices_wide(sx, sw, int(Sa), int(Sb), p.nch, p.Kc, bits);
     return p;
   };
   const int64_t Sx0 = sx[kSumNeed], Sw0 = sw[kSumNeed];
@@ -182,6 +211,72 @@ inline SlicePlan plan_slices(const int32_t* sx, const int32_t* sw, int64_t M, in
   return best;
 }
 
+// Guessed plans. The plan needs both operands' summaries, which live on the device: reading them
+// synchronizes the host with the GPU once per GEMM, and the host then cannot queue work ahead
+// (the det_ddp step waited on it: NOTES "Session 9"). A training run repeats its GEMM shapes, so
+// a later call with the same key takes a guess, the largest (Sx, Sw) planned from the last few
+// summaries of that key, and reads its own summary only at a later call. Whatever the guess, the
+// bytes are the same: rows needing more slices than guessed are zero rows in the slices, listed
+// on the device, and their outputs recomputed by exact_rows; the 128-bit route's proof is
+// checked on the device (WideCheck). A guess too small costs time at that call, one too large
+// costs zero slices.
+struct GuessKey {
+  int64_t M, N, K;
+  int x_type, w_type, device_type, device_index;
+  bool digits, bias;
+  bool operator==(const GuessKey& o) const {
+    return M == o.M && N == o.N && K == o.K && x_type == o.x_type && w_type == o.w_type &&
+           device_type == o.device_type && device_index == o.device_index && digits == o.digits && bias == o.bias;
+  }
+};
+
+struct GuessKeyHash {
+  size_t operator()(const GuessKey& k) const {
+    size_t h = std::hash<int64_t>()(k.M);
+    for (int64_t v : {k.N, k.K, int64_t(k.x_type), int64_t(k.w_type), int64_t(k.device_type), int64_t(k.device_index),
+                      int64_t(k.digits), int64_t(k.bias)})
+      h = h * 1000003u ^ std::hash<int64_t>()(v);
+    return h;
+  }
+};
+
+struct GuessState {
+  static constexpr int kRecent = 4;  // one key serves several layers (forward and gradients alike)
+  std::array<std::pair<int64_t, int64_t>, kRecent> recent{};
+  int n_recent = 0, next = 0;
+  bool usable = false;  // false: the last summary asked for the kernel, or none was read yet
+  std::shared_ptr<PendingSummary> pending;
+  void record(int64_t Sx, int64_t Sw, bool ok) {
+    recent[next] = {Sx, Sw};
+    next = (next + 1) % kRecent;
+    n_recent = std::min(n_recent + 1, kRecent);
+    usable = ok && Sx > 0 && Sw > 0;
+  }
+  std::pair<int64_t, int64_t> guess() const {
+    std::pair<int64_t, int64_t> g{0, 0};
+    for (int i = 0; i < n_recent; ++i) g = {std::max(g.first, recent[i].first), std::max(g.second, recent[i].second)};
+    return g;
+  }
+};
+
+struct GuessCache {
+  std::mutex mu;
+  std::unordered_map<GuessKey, GuessState, GuessKeyHash> states;
+};
+
+inline GuessCache& guess_cache() {
+  static GuessCache cache;  // lives as long as the process (a run's shapes are few)
+  return cache;
+}
+
+// The plan from both summaries (host memory), and whether the slices should run at all in auto
+// mode (when most rows would be recomputed anyway, the long-accumulator kernel alone is cheaper).
+inline SlicePlan plan_from_summaries(const int32_t* sx, const int32_t* sw, int64_t M, int64_t N, int64_t K,
+                                     const SliceBackend& be, bool* worth_it) {
+  *worth_it = !(2 * int64_t(sx[kSumBad]) > M || 2 * int64_t(sw[kSumBad]) > N);
+  return plan_slices(sx, sw, M, N, K, be.bits, be.term_macs);
+}
+
 inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias,
                                   bool digits, at::ScalarType out_dtype, const SliceBackend& be,
                                   const LongAccGemm& long_acc) {
@@ -196,20 +291,71 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
   const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
   const int bits = be.bits;
 
-  auto [nx, sum_x] = be.row_needs(x, bits);
-  auto [nw, sum_w] = be.row_needs(w, bits);
-  // One host synchronization: both operands' summaries (int_slices.h, kSum*).
-  const at::Tensor summary = at::cat({sum_x, sum_w}).cpu();
-  const int32_t* sx = summary.data_ptr<int32_t>();
-  const int32_t* sw = sx + kSumLen;
-  const int64_t nbad_x = sx[kSumBad], nbad_w = sw[kSumBad];
-  // Auto mode: when most rows would be recomputed anyway, the long-accumulator kernel alone is cheaper.
-  if (mode == kPathAuto && (2 * nbad_x > M || 2 * nbad_w > N)) return {};
+  // The guess, if this call takes one (slices_guess_mode).
+  const std::array<int64_t, 2> gm = slices_guess_mode();
+  const bool cached = gm[0] == -2 || (gm[0] == -1 && be.guess_by_default);
+  int64_t gSx = gm[0] > 0 ? gm[0] : 0, gSw = gm[1] > 0 ? gm[1] : 0;
+  GuessState* st = nullptr;
+  if (cached) {
+    const GuessKey key{M, N, K, int(x.scalar_type()), int(w.scalar_type()), int(x.device().type()),
+                       int(x.device().index()), digits, bias.has_value()};
+    GuessCache& gc = guess_cache();
+    std::lock_guard<std::mutex> lock(gc.mu);
+    st = &gc.states[key];  // node-based map: the pointer stays valid
+    if (st->pending && st->pending->ready()) {
+      const int32_t* hs = st->pending->host.data_ptr<int32_t>();
+      bool worth_it;
+      const SlicePlan p = plan_from_summaries(hs, hs + kSumLen, M, N, K, be, &worth_it);
+      st->record(p.Sx, p.Sw, worth_it);
+      st->pending.reset();
+    }
+    if (st->usable) std::tie(gSx, gSw) = st->guess();
+  }
+  const bool guessed = gSx > 0 && gSw > 0;
 
-  const SlicePlan plan = plan_slices(sx, sw, M, N, K, bits, be.term_macs);
+  // One zeroed buffer: both summaries, then (guessed) the lists of rows left to exact_rows.
+  const at::Tensor scratch = at::zeros({2 * kSumLen + (guessed ? M + 1 + N + 1 : 0)}, x.options().dtype(at::kInt));
+  const at::Tensor sums = scratch.narrow(0, 0, 2 * kSumLen);
+  at::Tensor sum_x = sums.narrow(0, 0, kSumLen), sum_w = sums.narrow(0, kSumLen, kSumLen);
+  const at::Tensor nx = be.row_needs(x, bits, sum_x);
+  const at::Tensor nw = be.row_needs(w, bits, sum_w);
+
+  SlicePlan plan{};
+  bool res_x = true, res_w = true;
+  int64_t nbad_x = 0, nbad_w = 0;
+  at::Tensor left_x, left_w;
+  if (guessed) {
+    if (st != nullptr) {
+      std::shared_ptr<PendingSummary> later = be.summary_later(sums);
+      std::lock_guard<std::mutex> lock(guess_cache().mu);
+      if (!st->pending) st->pending = std::move(later);
+    }
+    plan = SlicePlan{gSx, gSw, 0, 0, false};
+    slice_k_chunks(K, gSx, gSw, bits, &plan.Kc, &plan.nch);
+    left_x = scratch.narrow(0, 2 * kSumLen, M + 1);
+    left_w = scratch.narrow(0, 2 * kSumLen + M + 1, N + 1);
+    last_slices_plan() = {gSx, gSw, -1, -1, -1, -1};
+  } else {
+    // One host synchronization: both operands' summaries (int_slices.h, kSum*).
+    const at::Tensor summary = sums.cpu();
+    const int32_t* sx = summary.data_ptr<int32_t>();
+    const int32_t* sw = sx + kSumLen;
+    bool worth_it;
+    plan = plan_from_summaries(sx, sw, M, N, K, be, &worth_it);
+    if (st != nullptr) {
+      std::lock_guard<std::mutex> lock(guess_cache().mu);
+      st->record(plan.Sx, plan.Sw, worth_it);
+    }
+    if (mode == kPathAuto && !worth_it) return {};
+    nbad_x = sx[kSumBad];
+    nbad_w = sw[kSumBad];
+    res_x = plan.Sx > 0 && sx[kSumCount + plan.Sx - 1] > 0;
+    res_w = plan.Sw > 0 && sw[kSumCount + plan.Sw - 1] > 0;
+    last_slices_plan() = {plan.Sx, plan.Sw, plan.Sx > 0 ? sx[kSumCount + plan.Sx - 1] : 0,
+                          plan.Sw > 0 ? sw[kSumCount + plan.Sw - 1] : 0, nbad_x, nbad_w};
+  }
   const int64_t Sx = plan.Sx, Sw = plan.Sw, Kc = plan.Kc, nch = plan.nch;
-  const bool res_x = Sx > 0 && sx[kSumCount + Sx - 1] > 0, res_w = Sw > 0 && sw[kSumCount + Sw - 1] > 0;
-  last_slices_plan() = {Sx, Sw, Sx > 0 ? sx[kSumCount + Sx - 1] : 0, Sw > 0 ? sw[kSumCount + Sw - 1] : 0, nbad_x, nbad_w};
+  const WideCheck check{guessed ? sums.data_ptr<int32_t>() : nullptr, int(Sx), int(Sw), nch, Kc};
   const int64_t Mp = std::max<int64_t>(M, 17);  // cuBLASLt int8: M > 16
   const int64_t D = (Sx > 0 && Sw > 0) ? Sx + Sw - 1 : 0, P = D * nch;
 
@@ -223,8 +369,8 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
   const char* contig_env = std::getenv("LIGHTNING_DET_SLICES_CONTIGUOUS");
   const bool contig = contig_env != nullptr && std::string(contig_env) == "1";
 
-  const SliceOperand xo = be.make_slices(x, nx, Sx, bits, false, Kc, nch, Mp, res_x);
-  const SliceOperand wo = be.make_slices(w, nw, Sw, bits, true, Kc, nch, Np, res_w);
+  const SliceOperand xo = be.make_slices(x, nx, Sx, bits, false, Kc, nch, Mp, res_x, left_x);
+  const SliceOperand wo = be.make_slices(w, nw, Sw, bits, true, Kc, nch, Np, res_w, left_w);
   const at::Tensor& xs = xo.q;
   const at::Tensor& ws = wo.q;
   at::Tensor bd;
@@ -245,7 +391,7 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
       }
     }
     at::Tensor part = be.combine(C, M, nv, xo, wo.rows(n0, nv), bd.defined() ? bd.narrow(0, n0, nv) : bd, D, bits,
-                                 plan.wide, digits, out_dtype);
+                                 plan.wide, check, digits, out_dtype);
     if (n0 == 0 && nv == N) {
       out = part;
     } else {
@@ -255,6 +401,11 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
     }
   }
 
+  if (guessed) {  // rows needing more slices than guessed: listed on the device, recomputed there
+    be.exact_rows(out, x, w, bd, left_x, true, digits, out_dtype);
+    be.exact_rows(out, x, w, bd, left_w, false, digits, out_dtype);
+    return out;
+  }
   // Rows the slices could not hold exactly: the long-accumulator kernel, for those rows alone.
   if (nbad_x > 0) {
     const at::Tensor idx = (nx.select(1, 1) > kSliceMax).nonzero().select(1, 0);

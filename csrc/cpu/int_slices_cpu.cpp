@@ -33,10 +33,9 @@ void add_row_to_summary(int need, const int* depth, const int* count, int32_t* s
   }
 }
 
-std::pair<at::Tensor, at::Tensor> row_needs_cpu(const at::Tensor& a, int64_t bits) {
+at::Tensor row_needs_cpu(const at::Tensor& a, int64_t bits, at::Tensor& summary) {
   const int64_t R = a.size(0), K = a.size(1);
   at::Tensor out = at::empty({R, 3}, a.options().dtype(at::kInt));
-  at::Tensor summary = at::zeros({kSumLen}, a.options().dtype(at::kInt));
   int32_t* o = out.data_ptr<int32_t>();
   int32_t* sum = summary.data_ptr<int32_t>();
   std::mutex mu;
@@ -80,11 +79,11 @@ std::pair<at::Tensor, at::Tensor> row_needs_cpu(const at::Tensor& a, int64_t bit
       }
     });
   });
-  return {out, summary};
+  return out;
 }
 
 SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64_t S, int64_t bits, bool reverse,
-                             int64_t Kc, int64_t nch, int64_t Rp, bool residues) {
+                             int64_t Kc, int64_t nch, int64_t Rp, bool residues, const at::Tensor& left) {
   const int64_t R = a.size(0), K = a.size(1), width = nch * S * Kc;
   SliceOperand so = new_slice_operand(a, Rp, width, residues, /*zero_fill=*/true);
   const int32_t* nd = needs.data_ptr<int32_t>();
@@ -127,6 +126,11 @@ SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64
       }
     });
   });
+  if (left.defined()) {  // rows needing more than S (a guessed plan): exact_rows recomputes them
+    int32_t* l = left.data_ptr<int32_t>();
+    for (int64_t r = 0; r < R; ++r)
+      if (nd[3 * r + 1] > S) l[1 + l[0]++] = int32_t(r);
+  }
   return so;
 }
 
@@ -191,8 +195,10 @@ void combine_rows_for(const CombineView& v, int64_t b, int64_t e) {
 }
 
 at::Tensor combine_cpu(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOperand& x, const SliceOperand& w,
-                       const at::Tensor& bias, int64_t D, int64_t bits, bool wide, bool digits,
-                       at::ScalarType out_dtype) {
+                       const at::Tensor& bias, int64_t D, int64_t bits, bool wide, const WideCheck& check,
+                       bool digits, at::ScalarType out_dtype) {
+  if (check.sums != nullptr)  // the summaries are host memory here
+    wide = slices_wide(check.sums, check.sums + kSumLen, check.Sx, check.Sw, check.nch, check.Kc, int(bits));
   const int64_t P = C.size(0), Mp = C.size(1), Ncp = C.size(2);
   const int fmt = out_format(out_dtype);
   at::Tensor out = digits ? at::empty({M, Nv, LDET_WORDS}, C.options().dtype(at::kLong))
@@ -204,6 +210,42 @@ at::Tensor combine_cpu(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOp
                       out.data_ptr()};
   at::parallel_for(0, M, 8, [&](int64_t b, int64_t e) { combine_rows_for(v, b, e); });
   return out;
+}
+
+void exact_rows_cpu(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+                    const at::Tensor& left, bool x_rows, bool digits, at::ScalarType out_dtype) {
+  const int32_t* l = left.data_ptr<int32_t>();
+  const int64_t count = l[0], M = x.size(0), N = w.size(0), K = x.size(1), per = x_rows ? N : M;
+  if (count == 0) return;
+  const Elems ex = elems_of(x), ew = elems_of(w);
+  const double* bp = bias.defined() ? bias.data_ptr<double>() : nullptr;
+  const int fmt = out_format(out_dtype);
+  void* o = out.data_ptr();
+  at::parallel_for(0, count * per, 64, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t row = l[1 + t / per], other = t % per;
+      const int64_t m = x_rows ? row : other, n = x_rows ? other : row;
+      const int64_t i = m * N + n;
+      if (digits) {
+        exact_output(ex, m, ew, n, K, bp ? bp + n : nullptr, fmt, nullptr, static_cast<int64_t*>(o) + i * LDET_WORDS);
+      } else {
+        float v;
+        exact_output(ex, m, ew, n, K, bp ? bp + n : nullptr, fmt, &v, nullptr);
+        store_fmt(o, i, v, fmt);
+      }
+    }
+  });
+}
+
+// The CPU computes in order: the summaries are final when the call returns.
+struct ReadySummary : PendingSummary {
+  bool ready() override { return true; }
+};
+
+std::shared_ptr<PendingSummary> summary_later_cpu(const at::Tensor& sums) {
+  auto p = std::make_shared<ReadySummary>();
+  p->host = sums.clone();
+  return p;
 }
 
 // oneDNN's int8 GEMM (at::_int_mm): out (M, N) = a (M, K) . b (N, K)^T.
@@ -231,13 +273,16 @@ int probe_bits() {
 }  // namespace
 
 const SliceBackend& slice_backend_cpu() {
-  static const SliceBackend be{&row_needs_cpu, &make_slices_cpu, &combine_cpu, &int8_mm_cpu, probe_bits(),
+  static const SliceBackend be{&row_needs_cpu, &make_slices_cpu, &combine_cpu, &int8_mm_cpu, &exact_rows_cpu,
+                               &summary_later_cpu, probe_bits(),
                                // 16-bit inputs: the kernel stays faster at every size measured
                                // (512^3 bf16: 8.6 ms against 16.6 ms), so never in auto mode
                                int64_t(1) << 15, std::numeric_limits<int64_t>::max(),
                                // a residue term: ~2 ns on one core, against ~300 G int8
                                // multiply-adds a second on two (NOTES "Session 7")
-                               2000.0, 0};
+                               2000.0, 0,
+                               // plans from this call's summaries: nothing to gain from guesses
+                               false};
   return be;
 }
 

@@ -102,7 +102,8 @@ template <typename T>
 __global__ void make_slices_kernel(const T* __restrict__ a, const int32_t* __restrict__ needs, int64_t R, int64_t Rp,
                                    int64_t K, int S, int bits, bool reverse, int64_t Kc, int64_t nch,
                                    int8_t* __restrict__ out, int32_t* __restrict__ sh, int32_t* __restrict__ rcount,
-                                   int32_t* __restrict__ ridx, double* __restrict__ rval, int32_t* __restrict__ F) {
+                                   int32_t* __restrict__ ridx, double* __restrict__ rval, int32_t* __restrict__ F,
+                                   int32_t* __restrict__ left) {
   const int64_t Kp = nch * Kc, width = Kp * S;
   const int64_t step = reverse ? -Kc : Kc;
   for (int64_t r = blockIdx.y; r < Rp; r += gridDim.y) {
@@ -112,6 +113,7 @@ __global__ void make_slices_kernel(const T* __restrict__ a, const int32_t* __res
     if (r < R && blockIdx.x == 0 && threadIdx.x == 0) {
       sh[r] = s;
       if (F != nullptr) F[r] = live ? max(0, needs[3 * r] + 3 - bits * S - needs[3 * r + 2]) : 0;
+      if (left != nullptr && need > S) left[1 + atomicAdd(left, 1)] = int32_t(r);  // a guessed S too small
     }
     for (int64_t k4 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4; k4 < Kp;
          k4 += int64_t(gridDim.x) * blockDim.x * 4) {
@@ -165,7 +167,13 @@ __global__ void __launch_bounds__(kThreads) combine_fast_kernel(const int32_t* _
                                                                KernelOperand w, const double* __restrict__ bias, int D,
                                                                int bits, int fmt, void* __restrict__ out,
                                                                int64_t* __restrict__ list, int32_t* __restrict__ count,
-                                                               int64_t cap) {
+                                                               int64_t cap, WideCheck check) {
+  if (check.sums != nullptr &&
+      !slices_wide(check.sums, check.sums + kSumLen, check.Sx, check.Sw, check.nch, check.Kc, bits)) {
+    // a guessed plan the 128-bit sum is not proven for: every output to combine_rest_kernel
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *count = int32_t(cap + 1);
+    return;
+  }
   for (int64_t m = blockIdx.y; m < M; m += gridDim.y) {
     const int shx = x.sh[m];
     const int Fx = x.res.F ? x.res.F[m] : 0;
@@ -222,24 +230,47 @@ __global__ void combine_rest_kernel(const int32_t* __restrict__ C, int nch, int6
 template <int DC = kMaxDiagonals>
 void launch_combine_fast(int D, int nch, dim3 grid, cudaStream_t stream, const int32_t* C, int64_t Mp, int64_t Ncp,
                          int64_t M, int64_t Nv, const KernelOperand& x, const KernelOperand& w, const double* bias,
-                         int bits, int fmt, void* out, int64_t* list, int32_t* count, int64_t cap) {
+                         int bits, int fmt, void* out, int64_t* list, int32_t* count, int64_t cap,
+                         const WideCheck& check) {
   if constexpr (DC > 0) {
     if (nch == 1 && D == DC) {
       combine_fast_kernel<DC><<<grid, kThreads, 0, stream>>>(C, nch, Mp, Ncp, M, Nv, x, w, bias, D, bits, fmt, out,
-                                                             list, count, cap);
+                                                             list, count, cap, check);
       return;
     }
-    launch_combine_fast<DC - 1>(D, nch, grid, stream, C, Mp, Ncp, M, Nv, x, w, bias, bits, fmt, out, list, count, cap);
+    launch_combine_fast<DC - 1>(D, nch, grid, stream, C, Mp, Ncp, M, Nv, x, w, bias, bits, fmt, out, list, count, cap,
+                                check);
   } else {
     combine_fast_kernel<0><<<grid, kThreads, 0, stream>>>(C, nch, Mp, Ncp, M, Nv, x, w, bias, D, bits, fmt, out, list,
-                                                          count, cap);
+                                                          count, cap, check);
   }
 }
 
-std::pair<at::Tensor, at::Tensor> row_needs_cuda(const at::Tensor& a, int64_t bits) {
+// The outputs of the rows a guessed plan left (left[0] of them, listed in left[1..]: x's rows, or
+// w's rows = output columns), each straight from the operands (int_slices.h, exact_output). A
+// fixed grid: with nothing listed, each block reads the count and returns.
+__global__ void exact_rows_kernel(Elems x, Elems w, int64_t M, int64_t N, int64_t K, const double* __restrict__ bias,
+                                  const int32_t* __restrict__ left, bool x_rows, bool digits, int fmt,
+                                  void* __restrict__ out) {
+  const int64_t per = x_rows ? N : M, items = int64_t(left[0]) * per;
+  for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < items; t += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = left[1 + t / per], other = t % per;
+    const int64_t m = x_rows ? row : other, n = x_rows ? other : row;
+    const int64_t i = m * N + n;
+    const double* bn = bias ? bias + n : nullptr;
+    if (digits) {
+      exact_output(x, m, w, n, K, bn, fmt, nullptr, static_cast<int64_t*>(out) + i * LDET_WORDS);
+    } else {
+      float v;
+      exact_output(x, m, w, n, K, bn, fmt, &v, nullptr);
+      store_fmt(out, i, v, fmt);
+    }
+  }
+}
+
+at::Tensor row_needs_cuda(const at::Tensor& a, int64_t bits, at::Tensor& sum) {
   const int64_t R = a.size(0), K = a.size(1);
   at::Tensor out = at::empty({R, 3}, a.options().dtype(at::kInt));
-  at::Tensor sum = at::zeros({kSumLen}, a.options().dtype(at::kInt));
   if (R > 0) {
     const unsigned grid = unsigned(std::min<int64_t>(R, 65535 * 4));
     with_elements(a, [&](auto* p) {
@@ -248,14 +279,14 @@ std::pair<at::Tensor, at::Tensor> row_needs_cuda(const at::Tensor& a, int64_t bi
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  return {out, sum};
+  return out;
 }
 
 SliceOperand make_slices_cuda(const at::Tensor& a, const at::Tensor& needs, int64_t S, int64_t bits, bool reverse,
-                              int64_t Kc, int64_t nch, int64_t Rp, bool residues) {
+                              int64_t Kc, int64_t nch, int64_t Rp, bool residues, const at::Tensor& left) {
   const int64_t R = a.size(0), K = a.size(1), width = nch * S * Kc;
   SliceOperand so = new_slice_operand(a, Rp, width, residues, /*zero_fill=*/false);
-  if (S == 0) {
+  if (S == 0) {  // never a guessed plan (those have S >= 1): `left` needs no rows here
     so.sh.zero_();
     return so;
   }
@@ -266,10 +297,15 @@ SliceOperand make_slices_cuda(const at::Tensor& a, const at::Tensor& needs, int6
         p, needs.data_ptr<int32_t>(), R, Rp, K, int(S), int(bits), reverse, Kc, nch, so.q.data_ptr<int8_t>(),
         so.sh.data_ptr<int32_t>(), residues ? so.rcount.data_ptr<int32_t>() : nullptr,
         residues ? so.ridx.data_ptr<int32_t>() : nullptr, residues ? so.rval.data_ptr<double>() : nullptr,
-        residues ? so.F.data_ptr<int32_t>() : nullptr);
+        residues ? so.F.data_ptr<int32_t>() : nullptr, left.defined() ? left.data_ptr<int32_t>() : nullptr);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return so;
+}
+
+Elems elems_of(const at::Tensor& a) {
+  const auto st = a.scalar_type();
+  return Elems{a.data_ptr(), st == at::kFloat ? kElemF32 : st == at::kBFloat16 ? kElemBF16 : kElemF16, a.stride(0)};
 }
 
 KernelOperand kernel_operand(const SliceOperand& o, const at::Tensor& sh_c) {
@@ -277,16 +313,14 @@ KernelOperand kernel_operand(const SliceOperand& o, const at::Tensor& sh_c) {
   k.res = o.rcount.defined() ? Residues{o.rcount.data_ptr<int32_t>(), o.ridx.data_ptr<int32_t>(),
                                         o.rval.data_ptr<double>(), o.F.data_ptr<int32_t>()}
                              : Residues{nullptr, nullptr, nullptr, nullptr};
-  const auto st = o.a.scalar_type();
-  k.elems = Elems{o.a.data_ptr(), st == at::kFloat ? kElemF32 : st == at::kBFloat16 ? kElemBF16 : kElemF16,
-                  o.a.stride(0)};
+  k.elems = elems_of(o.a);
   k.sh = sh_c.data_ptr<int32_t>();
   return k;
 }
 
 at::Tensor combine_cuda(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOperand& x, const SliceOperand& w,
-                        const at::Tensor& bias, int64_t D, int64_t bits, bool wide_ok, bool digits,
-                        at::ScalarType out_dtype) {
+                        const at::Tensor& bias, int64_t D, int64_t bits, bool wide_ok, const WideCheck& check,
+                        bool digits, at::ScalarType out_dtype) {
   const int fmt = out_format(out_dtype);
   at::Tensor out = digits ? at::empty({M, Nv, LDET_WORDS}, C.options().dtype(at::kLong))
                           : at::empty({M, Nv}, C.options().dtype(out_dtype));
@@ -299,13 +333,13 @@ at::Tensor combine_cuda(const at::Tensor& C, int64_t M, int64_t Nv, const SliceO
     const KernelOperand xo = kernel_operand(x, shx_c), wo = kernel_operand(w, shw_c);
     const double* bp = bias.defined() ? bias.data_ptr<double>() : nullptr;
     const int32_t* Cp = C.data_ptr<int32_t>();
-    if (!digits && wide_ok) {
+    if (!digits && (wide_ok || check.sums != nullptr)) {
       // outputs the 128-bit route leaves: their indices (up to cap) and count
       const int64_t cap = std::min<int64_t>(std::max<int64_t>(M * Nv / 8, 4096), int64_t(1) << 20);
       at::Tensor count = at::zeros({1}, C.options().dtype(at::kInt));
       at::Tensor list = at::empty({cap}, C.options().dtype(at::kLong));
       launch_combine_fast(int(D), nch, grid, stream, Cp, C.size(1), C.size(2), M, Nv, xo, wo, bp, int(bits), fmt,
-                          out.data_ptr(), list.data_ptr<int64_t>(), count.data_ptr<int32_t>(), cap);
+                          out.data_ptr(), list.data_ptr<int64_t>(), count.data_ptr<int32_t>(), cap, check);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       // sized for the list: when nothing was left, its blocks read the count and return
       const unsigned rest_grid = unsigned(std::min<int64_t>((cap + kThreads - 1) / kThreads, 1024));
@@ -322,11 +356,51 @@ at::Tensor combine_cuda(const at::Tensor& C, int64_t M, int64_t Nv, const SliceO
   return out;
 }
 
+void exact_rows_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+                     const at::Tensor& left, bool x_rows, bool digits, at::ScalarType out_dtype) {
+  exact_rows_kernel<<<512, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      elems_of(x), elems_of(w), x.size(0), w.size(0), x.size(1), bias.defined() ? bias.data_ptr<double>() : nullptr,
+      left.data_ptr<int32_t>(), x_rows, digits, out_format(out_dtype), out.data_ptr());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The summaries into pinned host memory behind an event on the current stream.
+struct CudaPendingSummary : PendingSummary {
+  cudaEvent_t done = nullptr;
+  int device = 0;
+  bool ready() override {
+    const cudaError_t st = cudaEventQuery(done);
+    if (st == cudaErrorNotReady) {
+      (void)cudaGetLastError();  // not an error: clear it
+      return false;
+    }
+    C10_CUDA_CHECK(st);
+    return true;
+  }
+  ~CudaPendingSummary() override {
+    if (done != nullptr) {
+      c10::cuda::CUDAGuard guard(device);
+      (void)cudaEventDestroy(done);
+    }
+  }
+};
+
+std::shared_ptr<PendingSummary> summary_later_cuda(const at::Tensor& sums) {
+  auto p = std::make_shared<CudaPendingSummary>();
+  p->device = sums.get_device();
+  p->host = at::empty(sums.sizes(), sums.options().device(at::kCPU).pinned_memory(true));
+  p->host.copy_(sums, /*non_blocking=*/true);
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&p->done, cudaEventDisableTiming));
+  C10_CUDA_CHECK(cudaEventRecord(p->done, c10::cuda::getCurrentCUDAStream()));
+  return p;
+}
+
 }  // namespace
 
 const SliceBackend& slice_backend_cuda() {
   // cuBLASLt's int8 GEMM accumulates in int32 with no 16-bit intermediate: 8-bit digits.
-  static const SliceBackend be{&row_needs_cuda, &make_slices_cuda, &combine_cuda, &int8_gemm_lt, 8,
+  static const SliceBackend be{&row_needs_cuda, &make_slices_cuda, &combine_cuda, &int8_gemm_lt, &exact_rows_cuda,
+                               &summary_later_cuda, 8,
                                // bf16 at 1024^3: kernel 0.52x, slices 0.14x torch.mm fp32 (fixed costs);
                                // at 4096^3: 0.57x against 0.68x
                                int64_t(1) << 18, int64_t(1) << 34,
@@ -334,7 +408,9 @@ const SliceBackend& slice_backend_cuda() {
                                // int8 multiply-adds a second (NOTES "Session 7")
                                10000.0,
                                // cuBLASLt's sm90 int8 kernels: chunks 8 (mod 16) wide, <= 2^23 outputs
-                               int64_t(1) << 23};
+                               int64_t(1) << 23,
+                               // plans from cached guesses: no host synchronization per GEMM
+                               true};
   return be;
 }
 

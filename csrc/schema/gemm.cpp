@@ -3,6 +3,7 @@
 
 #include <array>
 #include <atomic>
+#include <mutex>
 #include <vector>
 
 #include "int_slices_host.h"
@@ -18,7 +19,28 @@ int64_t set_gemm_path(int64_t path) {
   TORCH_CHECK(path >= kPathAuto && path <= kPathSlices, "path: expected 0 (auto), 1 (kernel) or 2 (slices), got ", path);
   return g_gemm_path.exchange(int(path));
 }
+
+std::mutex g_guess_mu;
+std::array<int64_t, 2> g_guess{-1, -1};
+
+// Sets how slice GEMMs get their plan (int_slices_host.h, slices_guess_mode); returns the previous
+// setting. Every setting gives the same bytes: it exists for tests and benchmarks.
+std::vector<int64_t> set_slices_guess(int64_t sx, int64_t sw) {
+  const bool mode = (sx == sw) && (sx == -1 || sx == -2 || sx == 0);
+  const bool fixed = sx >= 1 && sx <= kSliceMax && sw >= 1 && sw <= kSliceMax;
+  TORCH_CHECK(mode || fixed, "set_slices_guess: expected (-1, -1) the default, (-2, -2) cached guesses, (0, 0) no "
+              "guess, or slice counts in [1, ", kSliceMax, "], got (", sx, ", ", sw, ")");
+  std::lock_guard<std::mutex> lock(g_guess_mu);
+  const std::vector<int64_t> prev{g_guess[0], g_guess[1]};
+  g_guess = {sx, sw};
+  return prev;
+}
 }  // namespace
+
+std::array<int64_t, 2> slices_guess_mode() {
+  std::lock_guard<std::mutex> lock(g_guess_mu);
+  return g_guess;
+}
 
 int gemm_path() { return g_gemm_path.load(std::memory_order_relaxed); }
 
@@ -48,6 +70,9 @@ TORCH_LIBRARY_FRAGMENT(ldet, m) {
   // Route switch for tests and benchmarks (csrc/int_slices_host.h): returns the previous route.
   m.def("set_gemm_path(int path) -> int", &ldet::set_gemm_path);
   // The last slices GEMM of this thread: [Sx, Sw, x residues, w residues, x rows and w rows left
-  // to the kernel] (tests and benchmarks; zeros before any).
+  // to the kernel] (tests and benchmarks; zeros before any; -1 for counts a guessed plan did not
+  // wait for).
   m.def("last_slices_plan() -> int[]", &ldet::last_slices_plan_op);
+  // How slice GEMMs plan (csrc/int_slices_host.h, "Guessed plans"): returns the previous setting.
+  m.def("set_slices_guess(int sx, int sw) -> int[]", &ldet::set_slices_guess);
 }

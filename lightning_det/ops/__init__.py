@@ -10,6 +10,7 @@ from .longacc import (
     gemm_path,
     last_slices_plan,
     scatter_sum_digits,
+    slices_guess,
     to_digits,
 )
 
@@ -24,5 +25,6 @@ __all__ = [
     "gemm_path",
     "last_slices_plan",
     "scatter_sum_digits",
+    "slices_guess",
     "to_digits",
 ]

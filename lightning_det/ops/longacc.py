@@ -30,6 +30,7 @@ __all__ = [
     "gemm_path",
     "last_slices_plan",
     "scatter_sum_digits",
+    "slices_guess",
     "to_digits",
 ]
 
@@ -157,14 +158,57 @@ def gemm_path(path: str) -> Iterator[None]:
         _ops().set_gemm_path(prev)
 
 
+_GUESS_MODES = {"default": -1, "cached": -2, "sync": 0}
+_SLICE_MAX = 8  # csrc/int_slices.h kSliceMax
+
+
+@contextlib.contextmanager
+def slices_guess(mode) -> Iterator[None]:
+    """How the integer-slice route plans each GEMM inside the ``with`` block, process-wide.
+
+    The plan (int8 slices per value of x and of w) comes from both operands' row summaries, which
+    live on the operands' device: reading them synchronizes the host with the GPU once per GEMM.
+    With a *guessed* plan the GEMM reads no summary: rows that need more slices than guessed are
+    recomputed on the device straight from the operands, and the 128-bit combine checks its
+    proof there, so the bytes are the same under every mode (csrc/int_slices_host.h, "Guessed
+    plans").
+
+    Args:
+        mode: ``"default"`` (cached guesses on CUDA, plans from the summaries on the CPU),
+            ``"cached"`` (on every device: a call takes the largest plan of the last few calls
+            with the same shapes, dtypes and device, after a first call that plans from its
+            summaries), ``"sync"`` (every call plans from its own summaries), or a tuple
+            ``(slices_x, slices_w)`` of ints in [1, 8]: that guess for every call (tests: guesses
+            too small and too large).
+
+    For tests and benchmarks: a result's bytes never depend on it. Not thread-safe: it sets one
+    process-wide mode.
+    """
+    if isinstance(mode, tuple):
+        ok = len(mode) == 2 and all(isinstance(v, int) and 1 <= v <= _SLICE_MAX for v in mode)
+        if not ok:
+            raise ValueError(f"mode: expected a tuple of two slice counts in [1, {_SLICE_MAX}], got {mode!r}")
+        sx, sw = mode
+    elif mode in _GUESS_MODES:
+        sx = sw = _GUESS_MODES[mode]
+    else:
+        raise ValueError(f"mode: expected one of {sorted(_GUESS_MODES)} or a tuple (slices_x, slices_w), got {mode!r}")
+    prev = _ops().set_slices_guess(sx, sw)
+    try:
+        yield
+    finally:
+        _ops().set_slices_guess(*prev)
+
+
 def last_slices_plan() -> dict:
     """How this thread's last det_gemm / det_gemm_partial on the integer slices was cut.
 
     Returns a dict: ``slices_x``, ``slices_w`` (int8 digits per value of x and of w),
     ``residues_x``, ``residues_w`` (values kept out of the digits, whose products the combine adds
     exactly, csrc/int_slices.h) and ``kernel_rows_x``, ``kernel_rows_w`` (rows left to the
-    long-accumulator kernel). All zeros before any such call. For tests and benchmarks: the bytes
-    of a result never depend on it.
+    long-accumulator kernel). All zeros before any such call; -1 for the four counts after a
+    guessed plan (:func:`slices_guess`), which does not wait for them. For tests and benchmarks:
+    the bytes of a result never depend on it.
     """
     keys = ("slices_x", "slices_w", "residues_x", "residues_w", "kernel_rows_x", "kernel_rows_w")
     return dict(zip(keys, (int(v) for v in _ops().last_slices_plan())))
