@@ -265,8 +265,10 @@ struct GuessCache {
 };
 
 inline GuessCache& guess_cache() {
-  static GuessCache cache;  // lives as long as the process (a run's shapes are few)
-  return cache;
+  // Never destroyed: its pending summaries hold pinned host memory and CUDA events, which must not
+  // be freed after the CUDA runtime has shut down at exit (that ended processes with SIGSEGV).
+  static GuessCache* cache = new GuessCache;
+  return *cache;
 }
 
 // The plan from both summaries (host memory), and whether the slices should run at all in auto
@@ -325,10 +327,17 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
   int64_t nbad_x = 0, nbad_w = 0;
   at::Tensor left_x, left_w;
   if (guessed) {
-    if (st != nullptr) {
-      std::shared_ptr<PendingSummary> later = be.summary_later(sums);
-      std::lock_guard<std::mutex> lock(guess_cache().mu);
-      if (!st->pending) st->pending = std::move(later);
+    if (st != nullptr) {  // one summary on its way per key at a time
+      bool wanted;
+      {
+        std::lock_guard<std::mutex> lock(guess_cache().mu);
+        wanted = !st->pending;
+      }
+      if (wanted) {
+        std::shared_ptr<PendingSummary> later = be.summary_later(sums);
+        std::lock_guard<std::mutex> lock(guess_cache().mu);
+        if (!st->pending) st->pending = std::move(later);
+      }
     }
     plan = SlicePlan{gSx, gSw, 0, 0, false};
     slice_k_chunks(K, gSx, gSw, bits, &plan.Kc, &plan.nch);
