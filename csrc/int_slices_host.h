@@ -122,8 +122,7 @@ struct SliceBackend {
   double term_macs;
   // chunk_columns' rule for the int8 GEMM library: 0, or the most outputs a chunk may hold.
   int64_t chunk_max_outputs;
-  // Whether slice GEMMs plan from cached guesses unless told otherwise (set_slices_guess): CUDA,
-  // where the host synchronization per GEMM kept the host from running ahead of the GPU.
+  // Whether slice GEMMs plan from cached guesses unless told otherwise (set_slices_guess).
   bool guess_by_default;
 };
 
@@ -212,10 +211,12 @@ inline SlicePlan plan_slices(const int32_t* sx, const int32_t* sw, int64_t M, in
 }
 
 // Guessed plans. The plan needs both operands' summaries, which live on the device: reading them
-// synchronizes the host with the GPU once per GEMM, and the host then cannot queue work ahead
-// (the det_ddp step waited on it: NOTES "Session 9"). A training run repeats its GEMM shapes, so
-// a later call with the same key takes a guess, the largest (Sx, Sw) planned from the last few
-// summaries of that key, and reads its own summary only at a later call. Whatever the guess, the
+// synchronizes the host with the GPU once per GEMM, and the host then cannot queue work ahead.
+// A training run repeats its GEMM shapes, so with cached guesses (slices_guess_mode) a later call
+// with the same key takes the largest (Sx, Sw) planned from the last few summaries of that key,
+// and reads its own summary only at a later call. Not the default anywhere: the det_ddp step is
+// host-bound, and dropping its nine synchronizations left its time unchanged (NOTES "Session 9");
+// they are what a captured or run-ahead step needs first. Whatever the guess, the
 // bytes are the same: rows needing more slices than guessed are zero rows in the slices, listed
 // on the device, and their outputs recomputed by exact_rows; the 128-bit route's proof is
 // checked on the device (WideCheck). A guess too small costs time at that call, one too large

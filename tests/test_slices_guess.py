@@ -128,17 +128,17 @@ def test_cached_guess_from_other_data_stays_exact_and_learns(device):
         assert_bitwise(got, ref, f"{device} learned guess")
 
 
-def test_default_mode_per_device():
-    x, w = gen.normal((30, 64), torch.float32, 51), gen.normal((20, 64), torch.float32, 52)
+@pytest.mark.parametrize("device", DEVICES)
+def test_default_mode_plans_from_the_summaries_and_cached_mode_guesses(device):
+    x, w = gen.normal((30, 64), torch.float32, 51).to(device), gen.normal((20, 64), torch.float32, 52).to(device)
     with gemm_path("slices"):
         for _ in range(2):
             det_gemm(x, w)
-        assert last_slices_plan()["residues_x"] >= 0, "the CPU plans from the summaries by default"
-        if torch.cuda.is_available():
-            xc, wc = x.cuda(), w.cuda()
+        assert last_slices_plan()["residues_x"] >= 0, "the default plans from each call's summaries"
+        with slices_guess("cached"):
             for _ in range(2):
-                det_gemm(xc, wc)
-            assert last_slices_plan()["residues_x"] == -1, "CUDA guesses from the cache by default"
+                det_gemm(x, w)
+            assert last_slices_plan()["residues_x"] == -1, "a repeated key takes a cached guess"
 
 
 @pytest.mark.parametrize("bad", [(0, 3), (1, 9), (2,), "often", 3, (1.0, 2)])

@@ -409,8 +409,11 @@ const SliceBackend& slice_backend_cuda() {
                                10000.0,
                                // cuBLASLt's sm90 int8 kernels: chunks 8 (mod 16) wide, <= 2^23 outputs
                                int64_t(1) << 23,
-                               // plans from cached guesses: no host synchronization per GEMM
-                               true};
+                               // plans from each call's summaries: cached guesses (no host
+                               // synchronization per GEMM) measured no faster in the det_ddp step,
+                               // which is host-bound, and a stale guess costs a slow call (NOTES
+                               // "Session 9"); slices_guess("cached") turns them on
+                               false};
   return be;
 }
 

@@ -174,8 +174,8 @@ def slices_guess(mode) -> Iterator[None]:
     plans").
 
     Args:
-        mode: ``"default"`` (cached guesses on CUDA, plans from the summaries on the CPU),
-            ``"cached"`` (on every device: a call takes the largest plan of the last few calls
+        mode: ``"default"`` (the device's default: plans from the summaries, on the CPU and on
+            CUDA, NOTES "Session 9"), ``"cached"`` (a call takes the largest plan of the last few calls
             with the same shapes, dtypes and device, after a first call that plans from its
             summaries), ``"sync"`` (every call plans from its own summaries), or a tuple
             ``(slices_x, slices_w)`` of ints in [1, 8]: that guess for every call (tests: guesses
