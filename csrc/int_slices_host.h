@@ -83,6 +83,20 @@ struct PendingSummary {
   virtual ~PendingSummary() = default;
 };
 
+// c (m, n) int32 with row stride ldc = a (m, k) . b (n, k)^T, a and b int8 row-major with row
+// strides lda, ldb (unit column stride). Raw pointers into the slices and diagonals: a slice GEMM
+// makes 9-27 of these, and building three tensor views for each cost more host time than the
+// GEMM call itself (the det_ddp step is host-bound: NOTES "Session 9").
+struct Int8Gemm {
+  const int8_t* a;
+  int64_t lda;
+  const int8_t* b;
+  int64_t ldb;
+  int32_t* c;
+  int64_t ldc;
+  int64_t m, n, k;
+};
+
 struct SliceBackend {
   // Per row (R, 3) int32: the exponent of its largest |value|, the slices it needs (residues
   // allowed: int_slices.h, row_plan; kSliceNeedBad for a row holding inf/NaN or that no S holds,
@@ -102,8 +116,8 @@ struct SliceBackend {
   at::Tensor (*combine)(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOperand& x, const SliceOperand& w,
                         const at::Tensor& bias, int64_t D, int64_t bits, bool wide, const WideCheck& check,
                         bool digits, at::ScalarType out_dtype);
-  // out (M, N) int32 = a (M, K) . b (N, K)^T for int8 row-major views (exact int32 sums).
-  void (*int8_mm)(at::Tensor& out, const at::Tensor& a, const at::Tensor& b);
+  // One int8 GEMM (Int8Gemm) on `device`, exact in int32.
+  void (*int8_mm)(const Int8Gemm& g, const at::Device& device);
   // Overwrites the outputs of the rows listed in `left` (make_slices' list: x's rows when x_rows,
   // else w's, i.e. output columns) with exact_output's: out (M, N) of out_dtype or digits
   // (M, N, 19); bias fp64 (N,) or undefined.
@@ -387,17 +401,29 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
   if (bias.has_value()) bd = bias->to(at::kDouble).contiguous();
 
   at::Tensor out;
+  const int8_t* xq = xs.numel() ? xs.data_ptr<int8_t>() : nullptr;
+  const int8_t* wq = ws.numel() ? ws.data_ptr<int8_t>() : nullptr;
+  const int64_t ldx = xs.size(1), ldw = ws.size(1);
   for (int64_t n0 = 0; n0 < N; n0 += Nc) {
     const int64_t ncp = std::min(Nc, Np - n0), nv = std::min(Nc, N - n0);
     at::Tensor C = at::empty({P, Mp, ncp}, x.options().dtype(at::kInt));
+    int32_t* Cq = C.numel() ? C.data_ptr<int32_t>() : nullptr;
     for (int64_t c = 0; c < nch; ++c) {
       for (int64_t d = 0; d < D; ++d) {
         const int64_t i0 = std::max<int64_t>(0, d - (Sw - 1)), i1 = std::min<int64_t>(d, Sx - 1);
         // x slices i0..i1 and w slices d-i0 .. d-i1, whose reversed slots are contiguous too
-        const at::Tensor a = xs.narrow(1, (c * Sx + i0) * Kc, (i1 - i0 + 1) * Kc);
-        const at::Tensor b = ws.narrow(0, n0, ncp).narrow(1, (c * Sw + (Sw - 1 - d + i0)) * Kc, (i1 - i0 + 1) * Kc);
-        at::Tensor cd = C.select(0, c * D + d);
-        be.int8_mm(cd, contig ? a.contiguous() : a, contig ? b.contiguous() : b);
+        const int64_t xcol = (c * Sx + i0) * Kc, wcol = (c * Sw + (Sw - 1 - d + i0)) * Kc, klen = (i1 - i0 + 1) * Kc;
+        Int8Gemm g{xq + xcol, ldx, wq + n0 * ldw + wcol, ldw, Cq + (c * D + d) * Mp * ncp, ncp, Mp, ncp, klen};
+        if (contig) {  // the benchmarks' variant: contiguous copies of both operands
+          const at::Tensor a = xs.narrow(1, xcol, klen).contiguous();
+          const at::Tensor b = ws.narrow(0, n0, ncp).narrow(1, wcol, klen).contiguous();
+          g.a = a.data_ptr<int8_t>();
+          g.b = b.data_ptr<int8_t>();
+          g.lda = g.ldb = klen;
+          be.int8_mm(g, x.device());  // stream-ordered: the copies may be freed after the call is queued
+        } else {
+          be.int8_mm(g, x.device());
+        }
       }
     }
     at::Tensor part = be.combine(C, M, nv, xo, wo.rows(n0, nv), bd.defined() ? bd.narrow(0, n0, nv) : bd, D, bits,

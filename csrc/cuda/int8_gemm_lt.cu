@@ -102,21 +102,19 @@ bool use_torch_route() {
 
 }  // namespace
 
-void int8_gemm_lt(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
-  TORCH_CHECK(a.scalar_type() == at::kChar && b.scalar_type() == at::kChar && out.scalar_type() == at::kInt,
-              "int8 GEMM: expected int8 operands and an int32 output");
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && out.dim() == 2 && a.size(1) == b.size(1) &&
-                  out.size(0) == a.size(0) && out.size(1) == b.size(0),
-              "int8 GEMM: expected a (M, K), b (N, K), out (M, N)");
-  TORCH_CHECK(a.stride(1) == 1 && b.stride(1) == 1 && out.is_contiguous(),
-              "int8 GEMM: expected unit column strides and a contiguous output");
+void int8_gemm_lt(const Int8Gemm& g, const at::Device& device) {
+  TORCH_CHECK(g.m > 0 && g.n > 0 && g.k > 0 && g.lda >= g.k && g.ldb >= g.k && g.ldc >= g.n,
+              "int8 GEMM: expected positive m, n, k and row strides at least k (operands) and n (output)");
   if (use_torch_route()) {
+    const auto opt = at::TensorOptions().dtype(at::kChar).device(device);
+    const at::Tensor a = at::from_blob(const_cast<int8_t*>(g.a), {g.m, g.k}, {g.lda, 1}, opt);
+    const at::Tensor b = at::from_blob(const_cast<int8_t*>(g.b), {g.n, g.k}, {g.ldb, 1}, opt);
+    at::Tensor out = at::from_blob(g.c, {g.m, g.n}, {g.ldc, 1}, opt.dtype(at::kInt));
     at::_int_mm_out(out, a, b.t());
     return;
   }
-  const LtKey key{a.size(0), b.size(0), a.size(1), a.stride(0), b.stride(0), out.size(1),
-                  alignment(a.data_ptr()), alignment(b.data_ptr()), alignment(out.data_ptr()),
-                  int(out.get_device())};
+  const LtKey key{g.m, g.n, g.k, g.lda, g.ldb, g.ldc, alignment(g.a), alignment(g.b), alignment(g.c),
+                  int(device.index())};
   static std::mutex mu;
   static std::unordered_map<LtKey, LtPlan, LtKeyHash> cache;
   // Shapes of one training run are few; past the cap a shape's plan is made and dropped per call.
@@ -129,7 +127,7 @@ void int8_gemm_lt(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
     if (it != cache.end()) {
       plan = it->second;
     } else {
-      c10::cuda::CUDAGuard guard(out.device());
+      c10::cuda::CUDAGuard guard(device);
       plan = make_plan(key);
       if (cache.size() < kCacheCap) {
         cache.emplace(key, plan);  // entries live as long as the process
@@ -139,8 +137,8 @@ void int8_gemm_lt(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
     }
   }
   const int32_t alpha = 1, beta = 0;
-  LDET_LT_CHECK(cublasLtMatmul(at::cuda::getCurrentCUDABlasLtHandle(), plan.op, &alpha, b.data_ptr(), plan.a,
-                               a.data_ptr(), plan.b, &beta, out.data_ptr(), plan.c, out.data_ptr(), plan.c,
+  LDET_LT_CHECK(cublasLtMatmul(at::cuda::getCurrentCUDABlasLtHandle(), plan.op, &alpha, g.b, plan.a, g.a, plan.b,
+                               &beta, g.c, plan.c, g.c, plan.c,
                                plan.have_algo ? &plan.algo : nullptr, nullptr, 0,
                                c10::cuda::getCurrentCUDAStream()),
                 "cublasLtMatmul");

@@ -3,12 +3,14 @@
 
 #include <ATen/ATen.h>
 
+#include "int_slices_host.h"
+
 namespace ldet {
 
-// out (M, N) int32 contiguous = a (M, K) . b (N, K)^T, a and b int8 row-major views (unit column
-// stride, any row stride). Exact: int32 accumulation with no narrower intermediate (the caller
-// bounds K so no sum can overflow). LIGHTNING_DET_INT8_GEMM=torch routes through at::_int_mm_out
-// instead (benchmarks compare the two).
-void int8_gemm_lt(at::Tensor& out, const at::Tensor& a, const at::Tensor& b);
+// g.c (m, n) int32 = g.a (m, k) . g.b (n, k)^T on `device` (Int8Gemm: raw int8 row-major operands,
+// unit column stride, any row stride). Exact: int32 accumulation with no narrower intermediate
+// (the caller bounds k so no sum can overflow). LIGHTNING_DET_INT8_GEMM=torch routes through
+// at::_int_mm_out instead (benchmarks compare the two).
+void int8_gemm_lt(const Int8Gemm& g, const at::Device& device);
 
 }  // namespace ldet
