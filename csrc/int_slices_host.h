@@ -38,6 +38,7 @@ struct SliceOperand {
   // columns, fp64 (R, kResidueCap) values, int32 (R,) F (bits below the window).
   at::Tensor rcount, ridx, rval, F;
   SliceOperand rows(int64_t r0, int64_t n) const {
+    if (r0 == 0 && n == a.size(0)) return *this;  // one N-chunk: no views to build (host time)
     SliceOperand o{a.narrow(0, r0, n), at::Tensor(), sh.narrow(0, r0, n), {}, {}, {}, {}};
     if (rcount.defined()) {
       o.rcount = rcount.narrow(0, r0, n);
@@ -426,9 +427,10 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
         }
       }
     }
-    at::Tensor part = be.combine(C, M, nv, xo, wo.rows(n0, nv), bd.defined() ? bd.narrow(0, n0, nv) : bd, D, bits,
-                                 plan.wide, check, digits, out_dtype);
-    if (n0 == 0 && nv == N) {
+    const bool whole = n0 == 0 && nv == N;
+    at::Tensor part = be.combine(C, M, nv, xo, wo.rows(n0, nv), bd.defined() && !whole ? bd.narrow(0, n0, nv) : bd,
+                                 D, bits, plan.wide, check, digits, out_dtype);
+    if (whole) {
       out = part;
     } else {
       if (!out.defined())

@@ -255,3 +255,18 @@ def test_cuda_outputs_the_128_bit_route_leaves():
     for x, w, b, cols in bias_below_the_unit_cases():
         xc, wc, bc = assert_cuda_same_as_kernel_and_cpu(x, w, b, f"bias below the unit in columns {cols}")
         assert torch.all(det_gemm(xc, wc, bc, out_dtype=torch.float32)[4:8, cols].cpu() == 2.0**-100)
+
+
+def test_a_slices_gemm_builds_no_tensor_views_per_int8_gemm():
+    # host time: the int8 GEMMs get raw addresses (Int8Gemm), not three views each; with one
+    # N-chunk the only views are the summaries' (fp32 randn: 9 diagonal GEMMs)
+    x, w = gen.normal((256, 200), torch.float32, 60), gen.normal((128, 200), torch.float32, 61)
+    with gemm_path("slices"):
+        det_gemm(x, w)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            det_gemm(x, w)
+    under = [e.name for e in prof.events() if e.cpu_parent is not None and e.cpu_parent.name == "ldet::gemm"]
+    views = [n for n in under if n in ("aten::narrow", "aten::select", "aten::slice", "aten::as_strided")]
+    gemms = under.count("aten::_int_mm")
+    assert gemms >= 9, f"expected the 9 diagonal GEMMs of 5 x 5 slices, saw {gemms}: {under}"
+    assert len(views) <= 3, f"{len(views)} tensor views for {gemms} int8 GEMMs: {under}"
