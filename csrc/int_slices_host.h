@@ -22,6 +22,7 @@
 #include <utility>
 
 #include "int_slices.h"
+#include "uninit.h"
 
 namespace ldet {
 
@@ -55,13 +56,16 @@ struct SliceOperand {
 inline SliceOperand new_slice_operand(const at::Tensor& a, int64_t Rp, int64_t width, bool residues, bool zero_fill) {
   const int64_t R = a.size(0);
   auto make = [&](at::IntArrayRef size, at::ScalarType t) {
-    return zero_fill ? at::zeros(size, a.options().dtype(t)) : at::empty(size, a.options().dtype(t));
+    // uninit: the CUDA slicing kernel writes every element of q, sh and F (zeros for padding and
+    // rows it leaves)
+    return zero_fill ? at::zeros(size, a.options().dtype(t)) : uninit(size, a.options().dtype(t));
   };
   SliceOperand so{a, make({Rp, width}, at::kChar), make({R}, at::kInt), {}, {}, {}, {}};
   if (residues) {
     so.rcount = at::zeros({R}, a.options().dtype(at::kInt));
-    so.ridx = at::empty({R, kResidueCap}, a.options().dtype(at::kInt));
-    so.rval = at::empty({R, kResidueCap}, a.options().dtype(at::kDouble));
+    // read only below their row's count
+    so.ridx = uninit({R, kResidueCap}, a.options().dtype(at::kInt));
+    so.rval = uninit({R, kResidueCap}, a.options().dtype(at::kDouble));
     so.F = make({R}, at::kInt);
   }
   return so;
@@ -407,7 +411,7 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
   const int64_t ldx = xs.size(1), ldw = ws.size(1);
   for (int64_t n0 = 0; n0 < N; n0 += Nc) {
     const int64_t ncp = std::min(Nc, Np - n0), nv = std::min(Nc, N - n0);
-    at::Tensor C = at::empty({P, Mp, ncp}, x.options().dtype(at::kInt));
+    at::Tensor C = uninit({P, Mp, ncp}, x.options().dtype(at::kInt));  // each diagonal's GEMM writes all of it
     int32_t* Cq = C.numel() ? C.data_ptr<int32_t>() : nullptr;
     for (int64_t c = 0; c < nch; ++c) {
       for (int64_t d = 0; d < D; ++d) {
@@ -434,7 +438,7 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
       out = part;
     } else {
       if (!out.defined())
-        out = digits ? at::empty({M, N, LDET_WORDS}, part.options()) : at::empty({M, N}, part.options());
+        out = digits ? uninit({M, N, LDET_WORDS}, part.options()) : uninit({M, N}, part.options());  // every chunk lands
       out.narrow(1, n0, nv).copy_(part);
     }
   }

@@ -270,3 +270,40 @@ def test_a_slices_gemm_builds_no_tensor_views_per_int8_gemm():
     gemms = under.count("aten::_int_mm")
     assert gemms >= 9, f"expected the 9 diagonal GEMMs of 5 x 5 slices, saw {gemms}: {under}"
     assert len(views) <= 3, f"{len(views)} tensor views for {gemms} int8 GEMMs: {under}"
+
+
+@pytest.mark.parametrize("fill", ["0", "1"])
+def test_buffers_the_kernels_write_skip_the_deterministic_fill(fill):
+    # under torch.use_deterministic_algorithms (the strategy's environment) at::empty fills new
+    # memory; the slices' internal buffers are written in full by their kernels and skip it
+    # (csrc/uninit.h). LIGHTNING_DET_FILL_EMPTY=1 restores the fill in a subprocess: the bytes of
+    # the result must not change either way
+    code = (
+        "import torch, collections\n"
+        "from lightning_det.ops import det_gemm, gemm_path\n"
+        "import sys; sys.path.insert(0, 'tests'); import gen\n"
+        "torch.use_deterministic_algorithms(True, warn_only=True)\n"
+        "x, w = gen.normal((96, 300), torch.float32, 62), gen.normal((40, 300), torch.bfloat16, 63)\n"
+        "x[3, 5] = 2.0 ** -30  # residues: their lists are allocated too\n"
+        "with gemm_path('slices'):\n"
+        "    det_gemm(x, w)\n"
+        "    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:\n"
+        "        y = det_gemm(x, w)\n"
+        "def alloc_fill(e):  # the fill inside an at::empty, not the one of an at::zeros\n"
+        "    p = e.cpu_parent\n"
+        "    return e.name == 'aten::fill_' and p is not None and p.name == 'aten::empty' and (\n"
+        "        p.cpu_parent is None or p.cpu_parent.name != 'aten::zeros')\n"
+        "fills = [e for e in prof.events() if alloc_fill(e)]\n"
+        "with gemm_path('kernel'):\n"
+        "    ref = det_gemm(x, w)\n"
+        "print(len(fills), int(torch.equal(y.view(torch.int32), ref.view(torch.int32))))\n"
+    )
+    env = dict(os.environ, LIGHTNING_DET_FILL_EMPTY=fill)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    fills, same = (int(v) for v in out.stdout.split()[-2:])
+    assert same == 1, "the slices' bytes differ from the kernel's"
+    if fill == "1":
+        assert fills > 0, "the control: at::empty fills under deterministic algorithms"
+    else:
+        assert fills == 0, f"{fills} deterministic fills of buffers the kernels write in full"

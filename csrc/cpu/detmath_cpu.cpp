@@ -7,6 +7,7 @@
 
 #include "detmath.h"
 #include "detmath_checks.h"
+#include "uninit.h"
 
 namespace ldet {
 namespace {
@@ -16,7 +17,7 @@ at::Tensor act_cpu(const at::Tensor& x, int64_t kind) {
   check_act_kind(kind);
   const int fmt = out_format(x.scalar_type());
   const at::Tensor xd = x.contiguous().to(at::kDouble);  // exact widening
-  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = uninit(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));  // every element
   const double* src = xd.data_ptr<double>();
   void* o = out.data_ptr();
   const int k = int(kind);
@@ -34,7 +35,7 @@ at::Tensor act_backward_cpu(const at::Tensor& grad, const at::Tensor& x, int64_t
   const int fmt = out_format(x.scalar_type());
   const at::Tensor xd = x.contiguous().to(at::kDouble);
   const at::Tensor gd = grad.contiguous().to(at::kDouble);
-  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = uninit(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));  // every element
   const double* xs = xd.data_ptr<double>();
   const double* gs = gd.data_ptr<double>();
   void* o = out.data_ptr();
@@ -70,7 +71,7 @@ DotOperands dot_operands(const at::Tensor& a, const c10::optional<at::Tensor>& b
 
 at::Tensor dot_rows_cpu(const at::Tensor& a, const c10::optional<at::Tensor>& b) {
   const DotOperands d = dot_operands(a, b);
-  at::Tensor out = at::empty({d.rows, LDET_WORDS}, a.options().dtype(at::kLong));
+  at::Tensor out = uninit({d.rows, LDET_WORDS}, a.options().dtype(at::kLong));  // every row's words written
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, d.rows, 16, [&](int64_t rb, int64_t re) {
     for (int64_t r = rb; r < re; ++r) {
@@ -90,7 +91,7 @@ at::Tensor dot_rows_cpu(const at::Tensor& a, const c10::optional<at::Tensor>& b)
 
 at::Tensor dot_cols_cpu(const at::Tensor& a, const c10::optional<at::Tensor>& b) {
   const DotOperands d = dot_operands(a, b);
-  at::Tensor out = at::empty({d.cols, LDET_WORDS}, a.options().dtype(at::kLong));
+  at::Tensor out = uninit({d.cols, LDET_WORDS}, a.options().dtype(at::kLong));  // every column's words written
   int64_t* o = out.data_ptr<int64_t>();
   // Column blocks, rows streamed in order: each column's accumulator is owned by one thread,
   // and integer addition makes the row order irrelevant anyway.

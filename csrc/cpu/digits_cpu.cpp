@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "op_checks.h"
+#include "uninit.h"
 
 namespace ldet {
 namespace {
@@ -29,7 +30,7 @@ at::Tensor finalize_cpu(const at::Tensor& acc, at::ScalarType dtype, int64_t sca
   const at::Tensor a = acc.contiguous();
   auto sizes = a.sizes().vec();
   sizes.pop_back();
-  at::Tensor out = at::empty(sizes, a.options().dtype(dtype));
+  at::Tensor out = uninit(sizes, a.options().dtype(dtype));  // every output written
   const int64_t* p = a.data_ptr<int64_t>();
   void* o = out.data_ptr();
   at::parallel_for(0, out.numel(), 2048, [&](int64_t b, int64_t e) {
@@ -48,7 +49,7 @@ at::Tensor to_digits_cpu(const at::Tensor& x) {
   const at::Tensor xd = x.contiguous().to(at::kDouble);  // exact widening
   auto sizes = x.sizes().vec();
   sizes.push_back(LDET_WORDS);
-  at::Tensor out = at::empty(sizes, x.options().dtype(at::kLong));
+  at::Tensor out = uninit(sizes, x.options().dtype(at::kLong));  // every element's words written
   const double* src = xd.data_ptr<double>();
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, xd.numel(), 4096, [&](int64_t b, int64_t e) {

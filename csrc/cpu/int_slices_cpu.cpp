@@ -35,7 +35,7 @@ void add_row_to_summary(int need, const int* depth, const int* count, int32_t* s
 
 at::Tensor row_needs_cpu(const at::Tensor& a, int64_t bits, at::Tensor& summary) {
   const int64_t R = a.size(0), K = a.size(1);
-  at::Tensor out = at::empty({R, 3}, a.options().dtype(at::kInt));
+  at::Tensor out = uninit({R, 3}, a.options().dtype(at::kInt));  // every row written
   int32_t* o = out.data_ptr<int32_t>();
   int32_t* sum = summary.data_ptr<int32_t>();
   std::mutex mu;
@@ -201,8 +201,8 @@ at::Tensor combine_cpu(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOp
     wide = slices_wide(check.sums, check.sums + kSumLen, check.Sx, check.Sw, check.nch, check.Kc, int(bits));
   const int64_t P = C.size(0), Mp = C.size(1), Ncp = C.size(2);
   const int fmt = out_format(out_dtype);
-  at::Tensor out = digits ? at::empty({M, Nv, LDET_WORDS}, C.options().dtype(at::kLong))
-                          : at::empty({M, Nv}, C.options().dtype(out_dtype));
+  at::Tensor out = digits ? uninit({M, Nv, LDET_WORDS}, C.options().dtype(at::kLong))  // every output written
+                          : uninit({M, Nv}, C.options().dtype(out_dtype));
   const at::Tensor shw_c = w.sh.contiguous();
   const CombineView v{C.data_ptr<int32_t>(), Mp * Ncp, Ncp, Nv, D > 0 ? int(P / D) : 0, int(D), int(bits), fmt,
                       wide, digits, x.sh.data_ptr<int32_t>(), shw_c.data_ptr<int32_t>(), residues_of(x),

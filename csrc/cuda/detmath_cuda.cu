@@ -18,6 +18,7 @@
 #include "cuda/elements.cuh"
 #include "detmath.h"
 #include "detmath_checks.h"
+#include "uninit.h"
 
 namespace ldet {
 namespace {
@@ -54,7 +55,7 @@ at::Tensor act_launch(const at::Tensor& x, const at::Tensor* grad, int64_t kind)
     TORCH_CHECK(grad->device() == x.device(), "grad: expected device ", x.device(), ", got ", grad->device());
     std::tie(xc, gc) = same_type(x, *grad);
   }
-  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = uninit(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));  // one thread per element
   const int64_t n = xc.numel();
   if (n) {
     auto stream = c10::cuda::getCurrentCUDAStream();
@@ -135,12 +136,12 @@ at::Tensor dot_launch(const at::Tensor& a, const c10::optional<at::Tensor>& b, b
   const int64_t rows = a.size(0), cols = a.size(1);
   const int64_t n = by_rows ? rows : cols, len = by_rows ? cols : rows;
   const int64_t o_step = by_rows ? cols : 1, e_step = by_rows ? 1 : cols;
-  at::Tensor out = at::empty({n, LDET_WORDS}, a.options().dtype(at::kLong));
+  at::Tensor out = uninit({n, LDET_WORDS}, a.options().dtype(at::kLong));  // every output's words written
   if (n) {
     int64_t nchunks = dot_chunks(n, len);
     const int64_t chunk = len > 0 ? (len + nchunks - 1) / nchunks : 0;
     if (chunk > 0) nchunks = (len + chunk - 1) / chunk;
-    at::Tensor partial = nchunks == 1 ? out : at::empty({nchunks, n, LDET_WORDS}, out.options());
+    at::Tensor partial = nchunks == 1 ? out : uninit({nchunks, n, LDET_WORDS}, out.options());  // every (chunk, output)
     auto stream = c10::cuda::getCurrentCUDAStream();
     with_elements(ac, [&](auto ap) {
       using T = std::remove_cv_t<std::remove_pointer_t<decltype(ap)>>;

@@ -13,6 +13,7 @@
 #include "cuda/elements.cuh"
 #include "longacc.h"
 #include "op_checks.h"
+#include "uninit.h"
 
 namespace ldet {
 namespace {
@@ -74,7 +75,7 @@ at::Tensor finalize_cuda(const at::Tensor& acc, at::ScalarType dtype, int64_t sc
   const at::Tensor a = acc.contiguous();
   auto sizes = a.sizes().vec();
   sizes.pop_back();
-  at::Tensor out = at::empty(sizes, a.options().dtype(dtype));
+  at::Tensor out = uninit(sizes, a.options().dtype(dtype));  // one thread per output
   const int64_t n = out.numel();
   if (n) {
     finalize_kernel<<<blocks_for(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(a.data_ptr<int64_t>(), n, fmt, int(scale_exp),
@@ -90,7 +91,7 @@ at::Tensor to_digits_cuda(const at::Tensor& x_in) {
   const at::Tensor x = x_in.contiguous();
   auto sizes = x.sizes().vec();
   sizes.push_back(LDET_WORDS);
-  at::Tensor out = at::empty(sizes, x.options().dtype(at::kLong));
+  at::Tensor out = uninit(sizes, x.options().dtype(at::kLong));  // every element's words written
   const int64_t n = x.numel();
   if (!n) return out;
   auto stream = c10::cuda::getCurrentCUDAStream();

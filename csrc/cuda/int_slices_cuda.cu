@@ -270,7 +270,7 @@ __global__ void exact_rows_kernel(Elems x, Elems w, int64_t M, int64_t N, int64_
 
 at::Tensor row_needs_cuda(const at::Tensor& a, int64_t bits, at::Tensor& sum) {
   const int64_t R = a.size(0), K = a.size(1);
-  at::Tensor out = at::empty({R, 3}, a.options().dtype(at::kInt));
+  at::Tensor out = uninit({R, 3}, a.options().dtype(at::kInt));  // every row written
   if (R > 0) {
     const unsigned grid = unsigned(std::min<int64_t>(R, 65535 * 4));
     with_elements(a, [&](auto* p) {
@@ -322,8 +322,9 @@ at::Tensor combine_cuda(const at::Tensor& C, int64_t M, int64_t Nv, const SliceO
                         const at::Tensor& bias, int64_t D, int64_t bits, bool wide_ok, const WideCheck& check,
                         bool digits, at::ScalarType out_dtype) {
   const int fmt = out_format(out_dtype);
-  at::Tensor out = digits ? at::empty({M, Nv, LDET_WORDS}, C.options().dtype(at::kLong))
-                          : at::empty({M, Nv}, C.options().dtype(out_dtype));
+  // every output: by the 128-bit kernel, or listed (or all, past the list) for combine_rest_kernel
+  at::Tensor out = digits ? uninit({M, Nv, LDET_WORDS}, C.options().dtype(at::kLong))
+                          : uninit({M, Nv}, C.options().dtype(out_dtype));
   const at::Tensor shx_c = x.sh.contiguous(), shw_c = w.sh.contiguous();
   if (M * Nv > 0) {
     const int nch = D > 0 ? int(C.size(0) / D) : 0;
@@ -337,7 +338,7 @@ at::Tensor combine_cuda(const at::Tensor& C, int64_t M, int64_t Nv, const SliceO
       // outputs the 128-bit route leaves: their indices (up to cap) and count
       const int64_t cap = std::min<int64_t>(std::max<int64_t>(M * Nv / 8, 4096), int64_t(1) << 20);
       at::Tensor count = at::zeros({1}, C.options().dtype(at::kInt));
-      at::Tensor list = at::empty({cap}, C.options().dtype(at::kLong));
+      at::Tensor list = uninit({cap}, C.options().dtype(at::kLong));  // read below the count only
       launch_combine_fast(int(D), nch, grid, stream, Cp, C.size(1), C.size(2), M, Nv, xo, wo, bp, int(bits), fmt,
                           out.data_ptr(), list.data_ptr<int64_t>(), count.data_ptr<int32_t>(), cap, check);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
