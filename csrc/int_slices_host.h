@@ -15,9 +15,9 @@
 #include <cstdlib>
 #include <string>
 #include <functional>
-#include <tuple>
 #include <memory>
 #include <mutex>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 
@@ -90,8 +90,8 @@ struct PendingSummary {
 
 // c (m, n) int32 with row stride ldc = a (m, k) . b (n, k)^T, a and b int8 row-major with row
 // strides lda, ldb (unit column stride). Raw pointers into the slices and diagonals: a slice GEMM
-// makes 9-27 of these, and building three tensor views for each cost more host time than the
-// GEMM call itself (the det_ddp step is host-bound: NOTES "Session 9").
+// makes 9-27 of these, and three tensor views for each were most of its host-side aten ops (the
+// det_ddp step is host-bound: NOTES "Session 9").
 struct Int8Gemm {
   const int8_t* a;
   int64_t lda;
