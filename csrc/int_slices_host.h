@@ -102,6 +102,16 @@ struct Int8Gemm {
   int64_t m, n, k;
 };
 
+// at::_int_mm_out on views of g's operands: the CPU's int8 GEMM (oneDNN), and CUDA's
+// LIGHTNING_DET_INT8_GEMM=torch route.
+inline void int8_mm_aten(const Int8Gemm& g, const at::Device& device) {
+  const auto opt = at::TensorOptions().dtype(at::kChar).device(device);
+  const at::Tensor a = at::from_blob(const_cast<int8_t*>(g.a), {g.m, g.k}, {g.lda, 1}, opt);
+  const at::Tensor b = at::from_blob(const_cast<int8_t*>(g.b), {g.n, g.k}, {g.ldb, 1}, opt);
+  at::Tensor out = at::from_blob(g.c, {g.m, g.n}, {g.ldc, 1}, opt.dtype(at::kInt));
+  at::_int_mm_out(out, a, b.t());
+}
+
 struct SliceBackend {
   // Per row (R, 3) int32: the exponent of its largest |value|, the slices it needs (residues
   // allowed: int_slices.h, row_plan; kSliceNeedBad for a row holding inf/NaN or that no S holds,
@@ -419,16 +429,15 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
         // x slices i0..i1 and w slices d-i0 .. d-i1, whose reversed slots are contiguous too
         const int64_t xcol = (c * Sx + i0) * Kc, wcol = (c * Sw + (Sw - 1 - d + i0)) * Kc, klen = (i1 - i0 + 1) * Kc;
         Int8Gemm g{xq + xcol, ldx, wq + n0 * ldw + wcol, ldw, Cq + (c * D + d) * Mp * ncp, ncp, Mp, ncp, klen};
+        at::Tensor a_copy, b_copy;  // stream-ordered: they may be freed once the GEMM is queued
         if (contig) {  // the benchmarks' variant: contiguous copies of both operands
-          const at::Tensor a = xs.narrow(1, xcol, klen).contiguous();
-          const at::Tensor b = ws.narrow(0, n0, ncp).narrow(1, wcol, klen).contiguous();
-          g.a = a.data_ptr<int8_t>();
-          g.b = b.data_ptr<int8_t>();
+          a_copy = xs.narrow(1, xcol, klen).contiguous();
+          b_copy = ws.narrow(0, n0, ncp).narrow(1, wcol, klen).contiguous();
+          g.a = a_copy.data_ptr<int8_t>();
+          g.b = b_copy.data_ptr<int8_t>();
           g.lda = g.ldb = klen;
-          be.int8_mm(g, x.device());  // stream-ordered: the copies may be freed after the call is queued
-        } else {
-          be.int8_mm(g, x.device());
         }
+        be.int8_mm(g, x.device());
       }
     }
     const bool whole = n0 == 0 && nv == N;

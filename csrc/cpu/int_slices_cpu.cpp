@@ -248,15 +248,6 @@ std::shared_ptr<PendingSummary> summary_later_cpu(const at::Tensor& sums) {
   return p;
 }
 
-// oneDNN's int8 GEMM (at::_int_mm) on views of the raw operands.
-void int8_mm_cpu(const Int8Gemm& g, const at::Device&) {
-  const auto opt = at::TensorOptions().dtype(at::kChar);
-  const at::Tensor a = at::from_blob(const_cast<int8_t*>(g.a), {g.m, g.k}, {g.lda, 1}, opt);
-  const at::Tensor b = at::from_blob(const_cast<int8_t*>(g.b), {g.n, g.k}, {g.ldb, 1}, opt);
-  at::Tensor out = at::from_blob(g.c, {g.m, g.n}, {g.ldc, 1}, opt.dtype(at::kInt));
-  at::_int_mm_out(out, a, b.t());
-}
-
 // 8-bit digits need the int8 GEMM to keep every int32 sum exact. Without VNNI, an int8 GEMM may
 // add u8 x s8 pairs in saturating 16-bit lanes (oneDNN documents this for AVX2): 7-bit digits
 // keep such pairs below 2^15. Ask the GEMM itself once, with the largest magnitudes.
@@ -279,7 +270,7 @@ int probe_bits() {
 }  // namespace
 
 const SliceBackend& slice_backend_cpu() {
-  static const SliceBackend be{&row_needs_cpu, &make_slices_cpu, &combine_cpu, &int8_mm_cpu, &exact_rows_cpu,
+  static const SliceBackend be{&row_needs_cpu, &make_slices_cpu, &combine_cpu, &int8_mm_aten, &exact_rows_cpu,
                                &summary_later_cpu, probe_bits(),
                                // 16-bit inputs: the kernel stays faster at every size measured
                                // (512^3 bf16: 8.6 ms against 16.6 ms), so never in auto mode

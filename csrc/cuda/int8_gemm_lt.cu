@@ -105,14 +105,7 @@ bool use_torch_route() {
 void int8_gemm_lt(const Int8Gemm& g, const at::Device& device) {
   TORCH_CHECK(g.m > 0 && g.n > 0 && g.k > 0 && g.lda >= g.k && g.ldb >= g.k && g.ldc >= g.n,
               "int8 GEMM: expected positive m, n, k and row strides at least k (operands) and n (output)");
-  if (use_torch_route()) {
-    const auto opt = at::TensorOptions().dtype(at::kChar).device(device);
-    const at::Tensor a = at::from_blob(const_cast<int8_t*>(g.a), {g.m, g.k}, {g.lda, 1}, opt);
-    const at::Tensor b = at::from_blob(const_cast<int8_t*>(g.b), {g.n, g.k}, {g.ldb, 1}, opt);
-    at::Tensor out = at::from_blob(g.c, {g.m, g.n}, {g.ldc, 1}, opt.dtype(at::kInt));
-    at::_int_mm_out(out, a, b.t());
-    return;
-  }
+  if (use_torch_route()) return int8_mm_aten(g, device);
   const LtKey key{g.m, g.n, g.k, g.lda, g.ldb, g.ldc, alignment(g.a), alignment(g.b), alignment(g.c),
                   int(device.index())};
   static std::mutex mu;
