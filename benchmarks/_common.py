@@ -15,6 +15,18 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def step_model(width: int) -> torch.nn.Sequential:
+    """The det_ddp step benchmarks' model (ddp_step.py, step_timeline.py, host_ops.py): token
+    embedding (vocabulary 512), LayerNorm, MLP (width -> 4 width -> width, GELU), LayerNorm, head
+    to 512 classes; plain nn modules, seeded, for det_transform or plain DDP."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    d = width
+    return nn.Sequential(nn.Embedding(512, d), nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(),
+                         nn.Linear(4 * d, d), nn.LayerNorm(d), nn.Linear(d, 512))
+
+
 def device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name(0)

@@ -31,10 +31,10 @@ sys.path.insert(0, str(HERE.parent))
 def child(args):
     import lightning as L
     import torch.nn.functional as F
-    from torch import nn
 
     import lightning_det  # noqa: F401
     from lightning_det import global_mean
+    from _common import step_model
     from lightning_det.nn import det_transform
 
     torch.set_num_threads(1 if args.accelerator == "cpu" else 4)
@@ -51,10 +51,7 @@ def child(args):
     class Net(L.LightningModule):
         def __init__(self):
             super().__init__()
-            torch.manual_seed(0)
-            d = args.width
-            self.net = nn.Sequential(nn.Embedding(512, d), nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(),
-                                     nn.Linear(4 * d, d), nn.LayerNorm(d), nn.Linear(d, 512))
+            self.net = step_model(args.width)
             if det:
                 det_transform(self.net)
             self.times = []

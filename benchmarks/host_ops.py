@@ -59,14 +59,12 @@ def gemm_counts(device: str, M: int, N: int, K: int) -> dict:
 
 def step_counts(device: str, width: int, batch: int) -> dict:
     import torch.nn.functional as F
-    from torch import nn
 
     from lightning_det import global_mean
+    from _common import step_model
     from lightning_det.nn import det_transform
 
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Embedding(512, width), nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
-                        nn.Linear(4 * width, width), nn.LayerNorm(width), nn.Linear(width, 512))
+    net = step_model(width)
     det_transform(net)
     net = net.to(device)
     x = torch.randint(0, 512, (batch,), device=device)

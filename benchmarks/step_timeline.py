@@ -31,19 +31,16 @@ MIN_GAP_US = 20
 def run_profiled(width: int, batch: int, guess: str):
     import lightning as L
     import torch.nn.functional as F
-    from torch import nn
 
     from lightning_det import global_mean
+    from _common import step_model
     from lightning_det.nn import det_transform
     from lightning_det.ops import slices_guess
 
     class Net(L.LightningModule):
         def __init__(self):
             super().__init__()
-            torch.manual_seed(0)
-            d = width
-            self.net = nn.Sequential(nn.Embedding(512, d), nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(),
-                                     nn.Linear(4 * d, d), nn.LayerNorm(d), nn.Linear(d, 512))
+            self.net = step_model(width)
             det_transform(self.net)
 
         def training_step(self, b, _):
