@@ -273,7 +273,9 @@ def test_a_slices_gemm_builds_no_tensor_views_per_int8_gemm():
 
 
 @pytest.mark.parametrize("fill", ["0", "1"])
-def test_buffers_the_kernels_write_skip_the_deterministic_fill(fill):
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_buffers_the_kernels_write_skip_the_deterministic_fill(fill, device):
     # under torch.use_deterministic_algorithms (the strategy's environment) at::empty fills new
     # memory; the slices' internal buffers are written in full by their kernels and skip it
     # (csrc/uninit.h). LIGHTNING_DET_FILL_EMPTY=1 restores the fill in a subprocess: the bytes of
@@ -285,6 +287,7 @@ def test_buffers_the_kernels_write_skip_the_deterministic_fill(fill):
         "torch.use_deterministic_algorithms(True, warn_only=True)\n"
         "x, w = gen.normal((96, 300), torch.float32, 62), gen.normal((40, 300), torch.bfloat16, 63)\n"
         "x[3, 5] = 2.0 ** -30  # residues: their lists are allocated too\n"
+        f"x, w = x.to('{device}'), w.to('{device}')\n"
         "with gemm_path('slices'):\n"
         "    det_gemm(x, w)\n"
         "    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:\n"
