@@ -430,3 +430,73 @@ def test_cuda_row_and_col_sums_chunked_match_cpu_and_reference(shape, dtypes):
         for r in range(shape[0]):
             s.add_product(float(a[r, j]), float(b[r, j]))
         assert got[j].tolist() == R.digits_of(s), f"column {j} != exact reference"
+
+
+def _window_cases():
+    """Rows whose terms enter, miss and re-enter a 128-bit window (csrc/window_acc.h): the first
+    term places it, so each row starts with a different magnitude."""
+    g = torch.Generator().manual_seed(77)
+    n = 300
+    rows = []
+    base = torch.randn(n, generator=g)
+    rows.append(base * 2.0 ** 40)  # all within ~2^-4..2^44: one window
+    r = base.clone()
+    r[0] = 2.0 ** -100  # a tiny first term places the window low: the rest lie above it
+    rows.append(r)
+    r = base * 2.0 ** -60
+    r[0] = 2.0 ** 100  # a huge first term: the rest lie below it
+    rows.append(r)
+    r = torch.cat([base[:150], -base[:150]])  # cancels to exactly zero inside the window
+    rows.append(r)
+    r = -base.abs() * torch.pow(2.0, torch.randint(-120, 120, (n,), generator=g).float())  # negative, wide
+    rows.append(r)
+    r = base.clone()
+    r[5], r[9] = 2.0 ** -149, -(2.0 ** 127)  # the fp32 extremes beside ordinary terms
+    rows.append(r)
+    r = torch.zeros(n)
+    r[0], r[7] = -(2.0 ** 20), -(2.0 ** 20)  # a negative window whose low 64 bits are zero (the negation's carry)
+    rows.append(r)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("with_b", [False, True])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_row_and_col_sums_through_the_window_match_exact_reference(with_b, device):
+    # The dot kernels add most terms to a 128-bit window and the rest, and each 2^16 terms'
+    # window, to the digits (csrc/window_acc.h). Each row places its window at its first term:
+    # terms below and above it, exact cancellation, negative sums, fp32 extremes; a long row
+    # passes a flush; the column sums run one window per column.
+    from lightning_det.nn import det_col_sums, det_row_sums
+
+    a = _window_cases()
+    long_row = gen.wide_exponents((1, 70000), -20, 20, seed=8)  # > 2^16 terms: a flush mid-row
+    b = gen.normal(a.shape, seed=9) if with_b else None
+    b_long = gen.normal(long_row.shape, seed=10) if with_b else None
+
+    def reference(x, y, j, by_rows):
+        s = R.ExactSum()
+        v = x[j] if by_rows else x[:, j]
+        w = None if y is None else (y[j] if by_rows else y[:, j])
+        for k in range(v.numel()):
+            s.add_product(float(v[k]), 1.0 if w is None else float(w[k]))
+        return R.digits_of(s)
+
+    def on(fn, x, y):  # on `device` (CUDA: each output's elements in chunks, a window per chunk)
+        return fn(x.to(device), None if y is None else y.to(device)).cpu()
+
+    def t(x):
+        return None if x is None else x.T.contiguous()
+
+    rows = on(det_row_sums, a, b)
+    for j in range(a.shape[0]):
+        assert rows[j].tolist() == reference(a, b, j, True), f"row {j} != exact reference"
+    assert on(det_row_sums, long_row, b_long)[0].tolist() == reference(long_row, b_long, 0, True), "long row"
+    cols = on(det_col_sums, t(a), t(b))
+    for j in range(a.shape[0]):
+        assert cols[j].tolist() == reference(a, b, j, True), f"column {j} != exact reference"
+    assert on(det_col_sums, t(long_row), t(b_long))[0].tolist() == reference(long_row, b_long, 0, True), "long column"
+    # control: plain PyTorch's rounded sums are not the exact sums rounded once
+    from lightning_det.ops import det_finalize
+
+    plain = (a if b is None else a * b).sum(1)
+    assert not torch.equal(plain, det_finalize(rows, torch.float32)), "control: torch.sum matched the exact sums"

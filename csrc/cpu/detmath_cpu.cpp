@@ -8,6 +8,7 @@
 #include "detmath.h"
 #include "detmath_checks.h"
 #include "uninit.h"
+#include "window_acc.h"
 
 namespace ldet {
 namespace {
@@ -79,10 +80,12 @@ at::Tensor dot_rows_cpu(const at::Tensor& a, const c10::optional<at::Tensor>& b)
       zero(acc);
       const double* xa = d.pa + r * d.cols;
       const double* xb = d.pb ? d.pb + r * d.cols : nullptr;
+      WindowAcc win;  // the CUDA kernels' window (csrc/window_acc.h): one code path for both; CPU speed unchanged
       for (int64_t j = 0; j < d.cols; ++j) {
-        add_value(acc, xb ? xa[j] * xb[j] : xa[j]);  // exact product of two narrow floats
+        window_add(win, acc, xb ? xa[j] * xb[j] : xa[j]);  // exact product of two narrow floats
         if (((j + 1) & (LDET_NORM_INTERVAL - 1)) == 0) normalize(acc);
       }
+      window_flush(win, acc);
       normalize(acc);
     }
   });
@@ -102,14 +105,18 @@ at::Tensor dot_cols_cpu(const at::Tensor& a, const c10::optional<at::Tensor>& b)
       const int64_t c0 = blk * kBlock;
       const int64_t c1 = std::min(d.cols, c0 + kBlock);
       for (int64_t c = c0; c < c1; ++c) zero(o + c * LDET_WORDS);
+      WindowAcc win[kBlock];  // one window per column (csrc/window_acc.h)
       for (int64_t r = 0; r < d.rows; ++r) {
         const double* xa = d.pa + r * d.cols;
         const double* xb = d.pb ? d.pb + r * d.cols : nullptr;
-        for (int64_t c = c0; c < c1; ++c) add_value(o + c * LDET_WORDS, xb ? xa[c] * xb[c] : xa[c]);
+        for (int64_t c = c0; c < c1; ++c) window_add(win[c - c0], o + c * LDET_WORDS, xb ? xa[c] * xb[c] : xa[c]);
         if (((r + 1) & (LDET_NORM_INTERVAL - 1)) == 0)
           for (int64_t c = c0; c < c1; ++c) normalize(o + c * LDET_WORDS);
       }
-      for (int64_t c = c0; c < c1; ++c) normalize(o + c * LDET_WORDS);
+      for (int64_t c = c0; c < c1; ++c) {
+        window_flush(win[c - c0], o + c * LDET_WORDS);
+        normalize(o + c * LDET_WORDS);
+      }
     }
   });
   return out;

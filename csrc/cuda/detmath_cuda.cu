@@ -19,6 +19,7 @@
 #include "detmath.h"
 #include "detmath_checks.h"
 #include "uninit.h"
+#include "window_acc.h"
 
 namespace ldet {
 namespace {
@@ -81,11 +82,13 @@ __device__ void dot_strided(const T* a, const T* b, int64_t base, int64_t step, 
                             int64_t* __restrict__ out) {
   int64_t acc[LDET_WORDS];
   zero(acc);
+  WindowAcc win;  // most terms stay in registers (csrc/window_acc.h)
   for (int64_t j = 0; j < len; ++j) {
     const int64_t k = base + j * step;
-    add_value(acc, b ? wide(a, k) * wide(b, k) : wide(a, k));  // exact product of two narrow floats
+    window_add(win, acc, b ? wide(a, k) * wide(b, k) : wide(a, k));  // exact product of two narrow floats
     if (((j + 1) & (LDET_NORM_INTERVAL - 1)) == 0) normalize(acc);
   }
+  window_flush(win, acc);
   normalize(acc);
   for (int w = 0; w < LDET_WORDS; ++w) out[w] = acc[w];
 }
