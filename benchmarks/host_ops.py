@@ -62,7 +62,8 @@ def step_counts(device: str, width: int, batch: int) -> dict:
 
     from lightning_det import global_mean
     from _common import step_model
-    from lightning_det.nn import det_transform
+    from lightning_det.nn import det_function_mode, det_transform
+    from lightning_det.parallel.loss import global_loss_reduce
 
     net = step_model(width)
     det_transform(net)
@@ -71,7 +72,9 @@ def step_counts(device: str, width: int, batch: int) -> dict:
     y = (x * 7 + 3) % 512
 
     def step():
-        global_mean(F.cross_entropy(net(x), y, reduction="none")).backward()
+        with det_function_mode(strict=True, loss_reduce=global_loss_reduce):  # as det_ddp's training_step
+            loss = global_mean(F.cross_entropy(net(x), y, reduction="none"))
+        loss.backward()
         for p in net.parameters():  # the strategy's gradient sync is left out: ops of the model only
             p.grad = None
 

@@ -12,6 +12,7 @@
 // Constants are hex-float literals: exact, no decimal parsing involved.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "longacc.h"
@@ -155,7 +156,45 @@ LDET_HD double sech2(double x) {
   return 4.0 * e / (d * d);
 }
 
+constexpr double kSqrt2M1 = 0x1.a827999fcef32p-2;  // sqrt(2) - 1: only chooses a branch
+constexpr double kSqrtHalf = 0x1.6a09e667f3bcdp-1;  // likewise
+
+// 1/(2n+1), n = 0..11: the atanh series of log1p (Python's correctly rounded int/int division).
+LDET_HD double inv_odd(int n) {
+  constexpr double c[12] = {
+      0x1.0000000000000p+0,  0x1.5555555555555p-2,  0x1.999999999999ap-3,  0x1.2492492492492p-3,
+      0x1.c71c71c71c71cp-4,  0x1.745d1745d1746p-4,  0x1.3b13b13b13b14p-4,  0x1.1111111111111p-4,
+      0x1.e1e1e1e1e1e1ep-5,  0x1.af286bca1af28p-5,  0x1.8618618618618p-5,  0x1.642c8590b2164p-5};
+  return c[n];
+}
+
+// log(1 + t) for t >= 0 (or NaN): the operation sequence of the eager reference
+// lightning_det/reference/log1p_ref.py, one IEEE operation at a time, so the same fp64 bits.
+// 1 + t = 2^k f, f in [sqrt(1/2), sqrt(2)); log f = 2 atanh(u), u = (f - 1) / (f + 1); for
+// t < sqrt(2) - 1, k = 0 and u = t / (t + 2) (1 + t is never rounded). frexp is exact.
+LDET_HD double log1p_nonneg(double t) {
+  const bool small = t < kSqrt2M1;
+  int expo = 0;
+  const double mant = frexp(small ? 1.0 : t + 1.0, &expo);  // mant in [0.5, 1)
+  const bool low = mant < kSqrtHalf;
+  const double f = low ? mant + mant : mant;
+  const double k = small ? 0.0 : double(expo - (low ? 1 : 0));
+  const double u = small ? t / (t + 2.0) : (f - 1.0) / (f + 1.0);
+  const double w = u * u;
+  double p = inv_odd(11);
+  for (int n = 10; n >= 0; --n) p = p * w + inv_odd(n);  // multiply, then add: each rounded once
+  return k * kLn2Hi + (k * kLn2Lo + (u + u) * p);
+}
+
 }  // namespace dm
+
+// The cross-entropy loss of one row (lightning_det/nn/loss.py): fp32((m - x_t) + log1p(T)) with
+// m the row's max, x_t the target's logit (both fp32, subtracted in fp64) and T = round(sum_j
+// e_j - 1) >= 0. A NaN loss is the canonical quiet NaN on every device.
+LDET_HD float ce_row_loss(float m, float picked, float t_minus) {
+  const float v = float((double(m) - double(picked)) + dm::log1p_nonneg(double(t_minus)));
+  return v != v ? float_of(0x7fc00000u) : v;
+}
 
 // Activation codes shared by the op schema (csrc/schema/detmath.cpp) and Python
 // (lightning_det/nn/functional.py).

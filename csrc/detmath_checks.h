@@ -21,4 +21,18 @@ inline void check_dot_args(const at::Tensor& a, const c10::optional<at::Tensor>&
   }
 }
 
+// m, picked, t_minus of ce_row_loss: fp32 vectors of one length on one device.
+inline void check_ce_row_arg(const at::Tensor& t, const char* name, const at::Tensor& m) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1, name, ": expected a 1-D float32 tensor, got ",
+              t.scalar_type(), " of shape ", t.sizes());
+  TORCH_CHECK(t.sizes() == m.sizes() && t.device() == m.device(), name, ": expected shape ", m.sizes(), " on ",
+              m.device(), " like m, got ", t.sizes(), " on ", t.device());
+}
+
+inline void check_ce_row_args(const at::Tensor& m, const at::Tensor& picked, const at::Tensor& t_minus) {
+  check_ce_row_arg(m, "m", m);
+  check_ce_row_arg(picked, "picked", m);
+  check_ce_row_arg(t_minus, "t_minus", m);
+}
+
 }  // namespace ldet

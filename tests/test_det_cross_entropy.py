@@ -21,10 +21,11 @@ from torch import nn
 
 from lightning_det import global_mean
 from lightning_det.nn import DetLinear, det_cross_entropy, det_function_mode, det_transform
-from lightning_det.nn.loss import _log1p_fp64, cross_entropy_rows, exact_loss_reduce
+from lightning_det.nn.loss import cross_entropy_rows, exact_loss_reduce
 from lightning_det.ops import det_combine, det_finalize, det_gemm_partial
 from lightning_det.parallel import OpAudit
 from lightning_det.parallel.loss import consume_global_mean_flag, global_loss_reduce
+from lightning_det.reference.log1p_ref import ce_row_loss_ref, log1p_fp64
 
 U = 2.0 ** -24
 U_OUT = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}  # beyond the fp32 stage
@@ -68,7 +69,7 @@ def test_log1p_fp64_vs_math():
     t = torch.cat([torch.rand(2000, generator=g) * 0.5, torch.rand(2000, generator=g) * 1e6,
                    torch.exp(torch.rand(2000, generator=g) * -80),
                    torch.tensor([0.0, 1e-30, 0.41421356, 0.41421357, 1.0, 3.0, 65535.0])]).double()
-    got = _log1p_fp64(t)
+    got = log1p_fp64(t)
     ref = torch.tensor([math.log1p(v) for v in t.tolist()], dtype=torch.float64)
     err = (got - ref).abs()
     _report(err, 2.0 ** -51 * torch.maximum(ref.abs(), torch.full_like(ref, 2.0 ** -1022)), "log1p vs math.log1p")
@@ -389,7 +390,42 @@ def test_cuda_matches_cpu(dtype, c):
 def test_cuda_log1p_matches_cpu():
     t = torch.cat([torch.rand(100000, dtype=torch.float64), torch.rand(100000, dtype=torch.float64) * 1e6])
     t = t.float().double()  # fp32 values, as the loss passes them
-    assert_bitwise(_log1p_fp64(t.cuda()).cpu(), _log1p_fp64(t), "log1p fp64, cpu vs cuda")
+    assert_bitwise(log1p_fp64(t.cuda()).cpu(), log1p_fp64(t), "log1p fp64, cpu vs cuda")
+
+
+def _row_loss_inputs():
+    """m, picked, t_minus (fp32) across log1p's branches and edges, with NaN and inf rows."""
+    g = torch.Generator().manual_seed(11)
+    n = 20000
+    t = torch.cat([torch.rand(n, generator=g) * 0.5, torch.rand(n, generator=g) * 1e6,
+                   torch.exp(torch.rand(n, generator=g) * -80), torch.rand(n, generator=g) * 3e38,
+                   torch.tensor([0.0, 1e-30, 0.41421356, 0.41421357, 0.41421354, 1.0, 3.0, 65535.0,
+                                 float("nan"), 2.0 ** -149])])
+    m = torch.randn(t.numel(), generator=g) * torch.pow(2.0, torch.randint(-30, 30, (t.numel(),), generator=g).float())
+    picked = m - torch.rand(t.numel(), generator=g) * 20
+    m[-3], picked[-4] = float("inf"), float("nan")
+    picked[-3] = float("inf")  # inf - inf
+    # rows whose loss is log1p(t) minus its own fp32 rounding: the fp32 result shows the fp64
+    # log1p's low bits, so a kernel computing another fp64 log1p differs here
+    t2 = torch.rand(n, generator=g) * torch.pow(10.0, torch.randint(-6, 6, (n,), generator=g).float())
+    return (torch.cat([m, torch.zeros(n)]), torch.cat([picked, torch.log1p(t2.double()).float()]), torch.cat([t, t2]))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_row_loss_kernel_matches_eager_reference(device):
+    # The row losses come from one kernel (csrc/detmath.h ce_row_loss) that runs the eager
+    # reference's IEEE operations in its order: the bytes must be the reference's (NaN canonical).
+    from lightning_det.nn.functional import _ops
+
+    m, picked, t = _row_loss_inputs()
+    got = _ops().ce_row_loss(m.to(device), picked.to(device), t.to(device)).cpu()
+    ref = ce_row_loss_ref(m, picked, t)
+    assert_bitwise(got, ref, f"row losses on {device} vs the eager reference")
+    assert got.isnan().sum() == 3, "the NaN, inf - inf and NaN-target rows"
+    # control: with torch's own fp64 log1p some rows differ
+    plain = ((m.double() - picked.double()) + torch.log1p(t.double())).float()
+    fin = ref.isfinite()
+    assert not torch.equal(plain[fin], ref[fin]), "control: torch.log1p matched the reference everywhere"
 
 
 @cuda

@@ -1,4 +1,4 @@
-// CPU implementations of act / act_backward / dot_rows / dot_cols (schemas:
+// CPU implementations of act / act_backward / dot_rows / dot_cols / ce_row_loss (schemas:
 // csrc/schema/detmath.cpp). Each element's arithmetic is the scalar detmath.h code, the same
 // whatever its position or the thread split, and the same as the CUDA kernels.
 #include <torch/library.h>
@@ -122,6 +122,18 @@ at::Tensor dot_cols_cpu(const at::Tensor& a, const c10::optional<at::Tensor>& b)
   return out;
 }
 
+at::Tensor ce_row_loss_cpu(const at::Tensor& m, const at::Tensor& picked, const at::Tensor& t_minus) {
+  check_ce_row_args(m, picked, t_minus);
+  const at::Tensor mc = m.contiguous(), pc = picked.contiguous(), tc = t_minus.contiguous();
+  at::Tensor out = uninit(m.sizes(), m.options());  // every element written
+  const float *pm = mc.data_ptr<float>(), *pp = pc.data_ptr<float>(), *pt = tc.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, m.numel(), 2048, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) o[i] = ce_row_loss(pm[i], pp[i], pt[i]);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ldet, CPU, m) {
@@ -129,6 +141,7 @@ TORCH_LIBRARY_IMPL(ldet, CPU, m) {
   m.impl("act_backward", &act_backward_cpu);
   m.impl("dot_rows", &dot_rows_cpu);
   m.impl("dot_cols", &dot_cols_cpu);
+  m.impl("ce_row_loss", &ce_row_loss_cpu);
 }
 
 }  // namespace ldet

@@ -1,4 +1,4 @@
-// CUDA implementations of act / act_backward / dot_rows / dot_cols (schemas:
+// CUDA implementations of act / act_backward / dot_rows / dot_cols / ce_row_loss (schemas:
 // csrc/schema/detmath.cpp). One thread per element (activations) or per output sum (dots),
 // running the same detmath.h / longacc.h code as the CPU. Each thread widens its inputs to fp64
 // as it loads them (exact): no fp64 copies of whole tensors, which were twice an fp32 input's
@@ -165,6 +165,26 @@ at::Tensor dot_launch(const at::Tensor& a, const c10::optional<at::Tensor>& b, b
 at::Tensor dot_rows_cuda(const at::Tensor& a, const c10::optional<at::Tensor>& b) { return dot_launch(a, b, true); }
 at::Tensor dot_cols_cuda(const at::Tensor& a, const c10::optional<at::Tensor>& b) { return dot_launch(a, b, false); }
 
+__global__ void ce_row_loss_kernel(const float* __restrict__ m, const float* __restrict__ picked,
+                                   const float* __restrict__ t_minus, int64_t n, float* __restrict__ out) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = ce_row_loss(m[i], picked[i], t_minus[i]);
+}
+
+at::Tensor ce_row_loss_cuda(const at::Tensor& m, const at::Tensor& picked, const at::Tensor& t_minus) {
+  check_ce_row_args(m, picked, t_minus);
+  c10::cuda::CUDAGuard guard(m.device());
+  const at::Tensor mc = m.contiguous(), pc = picked.contiguous(), tc = t_minus.contiguous();
+  at::Tensor out = uninit(m.sizes(), m.options());  // one thread per element
+  const int64_t n = m.numel();
+  if (n) {
+    ce_row_loss_kernel<<<blocks_for(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        mc.data_ptr<float>(), pc.data_ptr<float>(), tc.data_ptr<float>(), n, out.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ldet, CUDA, m) {
@@ -172,6 +192,7 @@ TORCH_LIBRARY_IMPL(ldet, CUDA, m) {
   m.impl("act_backward", &act_backward_cuda);
   m.impl("dot_rows", &dot_rows_cuda);
   m.impl("dot_cols", &dot_cols_cuda);
+  m.impl("ce_row_loss", &ce_row_loss_cuda);
 }
 
 }  // namespace ldet

@@ -1,5 +1,5 @@
-// Schemas of the elementwise activations and the exact row/column dot sums used by the Det
-// norms. Implementations: csrc/cpu/detmath_cpu.cpp, csrc/cuda/detmath_cuda.cu; the math is in
+// Schemas of the elementwise activations, the exact row/column dot sums used by the Det
+// norms, and the cross-entropy's row losses. Implementations: csrc/cpu/detmath_cpu.cpp, csrc/cuda/detmath_cuda.cu; the math is in
 // csrc/detmath.h, the digit format in csrc/longacc.h.
 #include <torch/library.h>
 
@@ -14,4 +14,8 @@ TORCH_LIBRARY_FRAGMENT(ldet, m) {
   m.def("dot_rows(Tensor a, Tensor? b) -> Tensor");
   // Same over rows: LongAcc (W, 19) of sum_r a[r, j] * b[r, j].
   m.def("dot_cols(Tensor a, Tensor? b) -> Tensor");
+  // m, picked, t_minus: (N,) float32. The per-row cross-entropy losses (N,) float32,
+  // fp32((m - picked) + log1p(t_minus)) in fp64 (detmath.h ce_row_loss): one kernel instead of
+  // ~40 eager fp64 ops per call.
+  m.def("ce_row_loss(Tensor m, Tensor picked, Tensor t_minus) -> Tensor");
 }

@@ -9,7 +9,7 @@ bf16/fp16 are widened exactly), with t the target class:
     S   = round(exact sum_j e_j)                     (long accumulator, one rounding; for the gradient)
     T   = round(exact (sum_j e_j) - 1)               (e of the max is exactly 1, so T >= 0; rounding
                                                       S - 1 rather than S keeps small losses accurate)
-    l_i = fp32( (m - x[i, t]) + log1p(T) )           (fp64, log1p from IEEE + - * / only, below)
+    l_i = fp32( (m - x[i, t]) + log1p(T) )           (fp64, log1p from IEEE + - * / only: csrc/detmath.h)
 
 Reductions: 'none' returns l rounded to x's dtype; 'sum' and 'mean' add the fp32 l_i exactly
 (digits) and round once to x's dtype; 'mean' divides the exact sum by the count of non-ignored
@@ -38,47 +38,12 @@ import torch
 from ..ops import det_combine, det_finalize, det_normalize, to_digits
 from ..ops.exact_scalar import mean_of_acc, reciprocal
 from ..ops.trust import trusted, trusted_fn
-from .functional import det_exp, det_row_sums
+from .functional import _ops, det_exp, det_row_sums
 
 __all__ = ["det_cross_entropy", "exact_loss_reduce", "cross_entropy_unsupported"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _REDUCTIONS = ("mean", "sum", "none")
-
-# log(2) split so that k * _LN2_HI is exact for |k| < 2^20 (its low 32 bits are zero).
-_LN2_HI = float.fromhex("0x1.62e42feep-1")
-_LN2_LO = float.fromhex("0x1.a39ef35793c76p-33")
-_SQRT_HALF = float.fromhex("0x1.6a09e667f3bcdp-1")  # only chooses a branch; any nearby value works
-_SQRT2_M1 = float.fromhex("0x1.a827999fcef32p-2")  # sqrt(2) - 1, likewise
-# 1/(2n+1): Python's int/int division is correctly rounded. Twelve terms of the atanh series:
-# |u| <= 0.1716 on the reduced range, so the first omitted term is below 2^-60 of the sum.
-_ATANH = tuple(1.0 / (2 * n + 1) for n in range(12))
-
-
-def _log1p_fp64(t: torch.Tensor) -> torch.Tensor:
-    """log(1 + t) for a float64 tensor of t >= 0 (or NaN), from IEEE + - * / and frexp only.
-
-    Why not ``torch.log1p``: CPU (glibc/SLEEF) and CUDA (libdevice) logs differ in the last bit.
-    Separate eager torch ops are single, correctly rounded IEEE operations on both (no FMA
-    contraction across ops), and frexp/doubling are exact, so this is the same fp64 function on
-    every device. Absolute error about 2^-52 * max(1, |log(1+t)|).
-
-    1 + t = 2^k f with f in [sqrt(1/2), sqrt(2)); log f = 2 atanh(u), u = (f - 1) / (f + 1).
-    For t < sqrt(2) - 1, k = 0 and u = t / (t + 2), so 1 + t is never rounded (t may be 1e-30).
-    For larger t (an fp32 value, so its ulp is >= 2^-25), 1 + t is exact in fp64.
-    """
-    small = t < _SQRT2_M1
-    mant, expo = torch.frexp(torch.where(small, torch.ones_like(t), t + 1.0))  # mant in [0.5, 1)
-    low = mant < _SQRT_HALF
-    f = torch.where(low, mant + mant, mant)  # exact doubling
-    k = torch.where(small, torch.zeros_like(expo), expo - low.to(expo.dtype)).to(torch.float64)
-    u = torch.where(small, t / (t + 2.0), (f - 1.0) / (f + 1.0))
-    w = u * u
-    p = torch.full_like(w, _ATANH[-1])
-    for c in reversed(_ATANH[:-1]):
-        p = p * w + c  # two eager ops: multiply, then add, each rounded once
-    return k * _LN2_HI + (k * _LN2_LO + (u + u) * p)
-
 
 class _CrossEntropyRows(torch.autograd.Function):
     """Per-row fp32 losses l (N,) of logits x (N, C) and targets t (N,) (int64, ignored rows masked)."""
@@ -93,10 +58,12 @@ class _CrossEntropyRows(torch.autograd.Function):
         digits = det_row_sums(e)
         s = det_finalize(digits)
         minus_one = to_digits(torch.full_like(s, -1.0))
-        t_minus = det_finalize(det_combine([digits, minus_one])).double()
+        t_minus = det_finalize(det_combine([digits, minus_one]))
         tgt = torch.where(valid, target, torch.zeros_like(target)).unsqueeze(1)
         picked = xf.gather(1, tgt).squeeze(1)
-        loss = ((m.squeeze(1).double() - picked.double()) + _log1p_fp64(t_minus)).float()
+        # fp32((m - x_t) + log1p(T)) in fp64: one kernel (detmath.h ce_row_loss), bitwise the
+        # eager reference lightning_det/reference/log1p_ref.py
+        loss = _ops().ce_row_loss(m.squeeze(1), picked, t_minus)
         loss = torch.where(valid, loss, torch.zeros_like(loss))
         ctx.save_for_backward(e, s, tgt, valid)
         ctx.x_dtype = x.dtype
