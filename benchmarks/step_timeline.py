@@ -120,7 +120,8 @@ def analyse(events) -> dict:
         if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in cpu_names and \
                 not e.name.startswith(("Optimizer.", "ProfilerStep")):
             kernels[e.name[:100]] += e.time_range.end - e.time_range.start
-    return {"gpu_kernels_us_per_step": [(k, round(v / n)) for k, v in kernels.most_common(25)], "steps": steps, "gpu_busy_us_per_step": sum(s["gpu_busy_us"] for s in steps) / n,
+    return {"gpu_kernels_us_per_step": [(k, round(v / n)) for k, v in kernels.most_common(25)], "steps": steps,
+            "gpu_busy_us_per_step": sum(s["gpu_busy_us"] for s in steps) / n,
             "gaps_over_20us_per_step": len(big) / n, "idle_in_those_gaps_us_per_step": sum(b - a for a, b in big) / n,
             "host_ops_during_those_gaps_us_per_step": [(k, round(v / n)) for k, v in host.most_common(40)]}
 
