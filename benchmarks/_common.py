@@ -27,6 +27,31 @@ def step_model(width: int) -> torch.nn.Sequential:
                          nn.Linear(4 * d, d), nn.LayerNorm(d), nn.Linear(d, 512))
 
 
+def det_step_module(width: int):
+    """The det_ddp step benchmarks' LightningModule (step_timeline.py, step_layers.py):
+    step_model(width) det_transform'ed, global_mean of the per-token cross-entropy, SGD."""
+    import lightning as L
+    import torch.nn.functional as F
+
+    from lightning_det import global_mean
+    from lightning_det.nn import det_transform
+
+    class DetStepNet(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = step_model(width)
+            det_transform(self.net)
+
+        def training_step(self, b, _):
+            x, y = b
+            return global_mean(F.cross_entropy(self.net(x), y, reduction="none"))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return DetStepNet()
+
+
 def device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name(0)

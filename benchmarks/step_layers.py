@@ -10,9 +10,13 @@ time of 20 steps after 4 warm-up steps, in one process, under torch.use_determin
   1  + det_function_mode (F.cross_entropy becomes det_cross_entropy, as det_ddp's training_step);
   2  + digit mode with eager rounding, sync_gradients and an SGD step (the strategy's
      optimizer_step at world size 1);
-  3  + a device synchronization at the step's start and end (ddp_step.py's timer).
-Each level once with slice plans from the summaries ("default") and once with guessed plans
-("cached"). Compare level 3 with ddp_step.py's det_ddp step: the difference is Lightning's loop.
+  3  + a device synchronization at the step's start and end (ddp_step.py's timer);
+  4  the same step through Lightning (Trainer(strategy="det_ddp"), ddp_step.py's timer callback),
+     in this process after the others (--lightning; once, with the default plans).
+Each of 0-3 once with slice plans from the summaries ("default") and once with guessed plans
+("cached"). Level 4 minus level 3 is Lightning's loop (session 10: ~4.5 ms for det_ddp on the
+GPU, none on the CPU). --profile L prints torch.profiler's host-op table (self CPU time) over 4
+steps of level L (3 or 4): diff the two tables to see what Lightning adds.
 Prints one line per level (session 10's log: results/logs/h200-step-layers-d9e711b.txt, from a
 scratch script with these levels and timing that also printed a profile table).
 """
@@ -38,6 +42,9 @@ def main(argv=None):
     p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--lightning", action="store_true", help="also level 4, the step through Lightning")
+    p.add_argument("--profile", type=int, choices=[3, 4], action="append", default=[],
+                   help="print the host-op profile of level 3 and/or 4")
     a = p.parse_args(argv)
     import torch.nn.functional as F
 
@@ -98,6 +105,68 @@ def main(argv=None):
                 sync()
                 print(f"B={a.batch} {mode:8s} {NAMES[level]:40s} {(time.perf_counter() - t) / n * 1e3:7.2f} ms/step",
                       flush=True)
+    if 3 in a.profile:
+        with profiled("level 3"):
+            for i in range(4):
+                step(i, 3)
+    if a.lightning or 4 in a.profile:
+        lightning_level(a, xs, dev, 4 in a.profile)
+
+
+class profiled:
+    """torch.profiler around a block; prints the host ops by self CPU time at the end."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __enter__(self):
+        self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self.prof.__enter__()
+
+    def __exit__(self, *exc):
+        self.prof.__exit__(*exc)
+        print(f"--- host ops, {self.what} ---")
+        print(self.prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
+
+
+def lightning_level(a, xs, dev: str, profile: bool) -> None:
+    """Level 4: the det_ddp step through Lightning, timed between synchronizations as ddp_step.py."""
+    import statistics
+
+    import lightning as L
+
+    from _common import det_step_module
+
+    class Timer(L.Callback):
+        def __init__(self):
+            self.times, self.prof = [], None
+
+        def on_train_batch_start(self, trainer, *_):
+            if profile and trainer.global_step == 20:
+                self.prof = profiled("level 4 (Lightning)")
+                self.prof.__enter__()
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, *_):
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self.t0)
+            if self.prof is not None and trainer.global_step == 24:
+                self.prof.__exit__(None, None, None)
+                self.prof = None
+
+    x = torch.cat(xs * 4)  # 32 batches: 24 steps in one epoch
+    dl = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, (x * 7 + 3) % 512), batch_size=a.batch)
+    timer = Timer()
+    trainer = L.Trainer(accelerator="gpu" if dev == "cuda" else "cpu", devices=1, strategy="det_ddp", max_steps=24,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[timer])
+    trainer.fit(det_step_module(a.width), dl)
+    steps = timer.times[4:20]  # after warm-up, before the profiled steps
+    print(f"B={a.batch} default  {'the step through Lightning (det_ddp)':40s} {statistics.mean(steps) * 1e3:7.2f} ms/step",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -31,25 +31,9 @@ MIN_GAP_US = 20
 
 def run_profiled(width: int, batch: int, guess: str):
     import lightning as L
-    import torch.nn.functional as F
 
-    from lightning_det import global_mean
-    from _common import step_model
-    from lightning_det.nn import det_transform
+    from _common import det_step_module
     from lightning_det.ops import slices_guess
-
-    class Net(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = step_model(width)
-            det_transform(self.net)
-
-        def training_step(self, b, _):
-            x, y = b
-            return global_mean(F.cross_entropy(self.net(x), y, reduction="none"))
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
 
     class Profile(L.Callback):
         prof = None
@@ -76,7 +60,7 @@ def run_profiled(width: int, batch: int, guess: str):
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[cb])
     with slices_guess(guess):
-        trainer.fit(Net(), dl)
+        trainer.fit(det_step_module(width), dl)
     return cb.done.events()
 
 
