@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from conftest import assert_bitwise, cuda
 from torch import nn
 
+import gen
 from lightning_det import global_mean
 from lightning_det.nn import DetLinear, det_cross_entropy, det_function_mode, det_transform
 from lightning_det.nn.loss import cross_entropy_rows, exact_loss_reduce
@@ -236,6 +237,51 @@ def test_mean_equals_global_mean_of_rows_and_control():
         differs += [(seed, k) for k in (2, 3, 4)
                     if not torch.equal(full, sum(F.cross_entropy(x[s], y[s]) for s in _shards(48, k)) / k)]
     assert differs, "torch's mean and its per-shard combination should differ for some split"
+
+
+def _mean_cases():
+    """(values, out_dtype) whose exact mean over a power-of-two count lands on rounding edges."""
+    t = torch.tensor
+    one, u = 1.0, 2.0 ** -23
+    return [
+        (gen.normal((4096,), seed=12), torch.float32),
+        (gen.wide_exponents((1024,), -60, 60, seed=13), torch.float32),
+        (t([one, one, one, one + 2 * u]), torch.float32),  # mean 1 + 2^-24: a tie, to even (1)
+        (t([one + u, one + u, one + u, one + 3 * u]), torch.float32),  # 1 + 3 * 2^-24: a tie, to even
+        (t([2.0 ** -149, 0.0, 0.0, 0.0]), torch.float32),  # 2^-151: rounds to +0
+        (t([-(2.0 ** -149), 0.0, 0.0, 0.0]), torch.float32),  # a negative value that rounds to zero: -0
+        (t([3 * 2.0 ** -149, 0.0, 0.0, 0.0]), torch.float32),  # 0.75 of the smallest subnormal: up
+        (t([1.0, -1.0, 0.0, 0.0]), torch.float32),  # exact zero: +0
+        (t([1e5, 1e5, 1e5, 1e5]), torch.float16),  # beyond fp16's range: inf
+        (gen.normal((512,), seed=14), torch.bfloat16),
+        (t([1.0, float("nan"), 0.0, 0.0]), torch.float32),
+        (t([1.0, float("inf"), 0.0, 0.0]), torch.float32),
+        (t([float("-inf"), float("inf"), 0.0, 0.0]), torch.float32),
+        (t([5.0]), torch.float32),  # 2^0
+    ]
+
+
+def test_power_of_two_mean_rounds_on_the_device_like_the_host_route(monkeypatch):
+    # A mean over 2^k elements is rounded by det_finalize (the division by 2^k inside the one
+    # rounding, on the values' device: no host read); other counts go through Python integers
+    # (mean_of_acc). The bytes must be those of the integer route on every rounding edge.
+    import lightning_det.nn.loss as loss_mod
+    from lightning_det.ops import det_normalize, to_digits
+    from lightning_det.ops.exact_scalar import mean_of_acc
+
+    for values, dtype in _mean_cases():
+        total = det_normalize(to_digits(values).sum(0, keepdim=True))
+        ref = torch.tensor(mean_of_acc(total[0].tolist(), values.numel(), dtype), dtype=torch.float32).to(dtype)
+        got = exact_loss_reduce(values, "mean", out_dtype=dtype)
+        assert_bitwise(got, ref, f"mean of {values.numel()} values -> {dtype}: {values[:4].tolist()}")
+
+    def host_read(*a, **k):
+        raise AssertionError("the mean was read back to the host")
+
+    monkeypatch.setattr(loss_mod, "mean_of_acc", host_read)
+    exact_loss_reduce(torch.ones(8), "mean")  # 2^3: rounded on the device
+    with pytest.raises(AssertionError, match="read back"):  # control: 3 is not a power of two
+        exact_loss_reduce(torch.ones(3), "mean")
 
 
 def test_mean_gradient_scales_by_powers_of_two_for_per_rank_means():

@@ -13,7 +13,8 @@ bf16/fp16 are widened exactly), with t the target class:
 
 Reductions: 'none' returns l rounded to x's dtype; 'sum' and 'mean' add the fp32 l_i exactly
 (digits) and round once to x's dtype; 'mean' divides the exact sum by the count of non-ignored
-rows inside that one rounding (Python integers), as ``lightning_det.global_mean`` does.
+rows inside that one rounding (on the device for a power-of-two count, else in Python integers),
+as ``lightning_det.global_mean`` does.
 
 Backward, with g_i the gradient of l_i (the output gradient, times round(1/count) for 'mean'):
 
@@ -84,6 +85,11 @@ class _CrossEntropyRows(torch.autograd.Function):
 Combine = Callable[[torch.Tensor, int], Tuple[torch.Tensor, int]]
 
 
+def _is_pow2(count: int) -> bool:
+    """A count det_finalize's scale_exp can divide by: 2^k, k in [0, 64]."""
+    return 0 < count <= 1 << 64 and count & (count - 1) == 0
+
+
 class _ExactReduce(torch.autograd.Function):
     """Exact sum or mean of every element of ``values`` (optionally masked), rounded once."""
 
@@ -100,7 +106,11 @@ class _ExactReduce(torch.autograd.Function):
         if combine is not None:
             total, count = combine(total, count)
         ctx.scale = None
-        if mean:
+        if mean and _is_pow2(count):
+            # dividing by 2^k inside the one rounding is exact: rounded on the device, no host sync
+            out = det_finalize(total, out_dtype, scale_exp=-(count.bit_length() - 1)).reshape(())
+            ctx.scale = reciprocal(count)
+        elif mean:
             value = math.nan if count == 0 else mean_of_acc(total[0].tolist(), count, out_dtype)
             out = torch.tensor(value, dtype=torch.float32, device=values.device).to(out_dtype)  # exact cast
             # 1/count rounded once: the same number whatever the split (0 rows: torch's nan loss, zero grads)
