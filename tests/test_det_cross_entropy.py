@@ -343,6 +343,43 @@ def test_function_mode_routes_cross_entropy_and_module():
     assert not torch.equal(F.cross_entropy(x, y, reduction="none"), det_cross_entropy(x, y, reduction="none"))
 
 
+def test_function_mode_passes_the_row_count_to_a_loss_reduce_that_takes_it(monkeypatch):
+    # The mode knows the valid rows' count from the target check; a loss_reduce taking count=
+    # (det_ddp's global_loss_reduce) gets it and does not read the mask back. One without count=
+    # is still called as before. Both give det_cross_entropy's bytes.
+    import lightning_det.nn.loss as loss_mod
+
+    x, y, _ = _logits(20, 17, torch.float32, seed=15)
+    y[2], y[5] = -100, -100
+    seen = []
+
+    def with_count(values, mask, reduction, out_dtype, count=None):
+        seen.append(count)
+        return global_loss_reduce(values, mask, reduction, out_dtype, count=count)
+
+    def without_count(values, mask, reduction, out_dtype):
+        return global_loss_reduce(values, mask, reduction, out_dtype)
+
+    want = det_cross_entropy(x, y)
+    real_sum = torch.Tensor.sum
+
+    def bool_sums(loss_reduce):  # the mask sums a call makes (each one read back to the host)
+        reads = []
+        monkeypatch.setattr(torch.Tensor, "sum", lambda t, *a, **k: (reads.append(t.dtype), real_sum(t, *a, **k))[1])
+        with det_function_mode(loss_reduce=loss_reduce):
+            loss = F.cross_entropy(x, y)
+        monkeypatch.undo()
+        return loss, reads.count(torch.bool)
+
+    old, n_old = bool_sums(without_count)
+    new, n_new = bool_sums(with_count)
+    consume_global_mean_flag()
+    assert seen == [18], f"count passed: {seen}"
+    assert n_new == n_old - 1, f"mask sums: {n_new} with count=, {n_old} without (the control)"
+    assert_bitwise(new, want, "with count")
+    assert_bitwise(old, want, "without count")
+
+
 def test_function_mode_strict_and_fallback():
     x, y, _ = _logits(8, 5, torch.float32, seed=11)
     with det_function_mode():

@@ -222,6 +222,7 @@ class _DetFunctionMode(TorchFunctionMode):
     def __init__(self, strict: bool, loss_reduce: Optional[Callable]) -> None:
         super().__init__()
         self.strict, self.loss_reduce = strict, loss_reduce
+        self._reduce_takes_count = loss_reduce is not None and _takes_count(loss_reduce)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -251,8 +252,19 @@ class _DetFunctionMode(TorchFunctionMode):
         reduction = a["reduction"]
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction: expected 'mean', 'sum' or 'none', got {reduction!r}")
-        rows, valid, _ = cross_entropy_rows(a["input"], a["target"], a["ignore_index"])
+        rows, valid, n_valid = cross_entropy_rows(a["input"], a["target"], a["ignore_index"])
+        if self._reduce_takes_count:  # the row count is known here: no second read of the mask
+            return self.loss_reduce(rows, valid, reduction, a["input"].dtype, count=n_valid)
         return self.loss_reduce(rows, valid, reduction, a["input"].dtype)
+
+
+def _takes_count(fn: Callable) -> bool:
+    """Whether a loss_reduce accepts ``count=`` (global_loss_reduce does; a user's may not)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+    return "count" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def _ce_signature(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
@@ -282,7 +294,8 @@ def det_function_mode(strict: bool = True, loss_reduce: Optional[Callable] = Non
             the argument; with False they warn and run PyTorch's own function (det_ddp's op audit of
             the first step then labels the run unverified).
         loss_reduce: ``(per_row_losses fp32 (N,), valid bool (N,), reduction, out_dtype) -> loss``
-            used for reduction 'mean' and 'sum' instead of this process's exact reduction.
+            used for reduction 'mean' and 'sum' instead of this process's exact reduction; one
+            that also takes ``count=`` gets the number of valid rows (known here already).
             det_ddp passes :func:`lightning_det.parallel.loss.global_loss_reduce`: the exact
             mean / sum over the rows of every rank, so the loss and its gradient are the same at
             any world size.

@@ -53,7 +53,7 @@ def _combine(group, masked: bool):
     return combine
 
 
-def _global(values, reduction, mask, group, out_dtype) -> torch.Tensor:
+def _global(values, reduction, mask, group, out_dtype, count: Optional[int] = None) -> torch.Tensor:
     if not isinstance(values, torch.Tensor) or not values.is_floating_point():
         raise TypeError(f"values: expected a floating-point tensor, got {type(values).__name__}")
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool
@@ -63,7 +63,7 @@ def _global(values, reduction, mask, group, out_dtype) -> torch.Tensor:
     if mask is None and reduction == "mean" and values.numel() == 0:
         raise ValueError("values: expected at least one element on some rank, got none")
     combine = _combine(group, masked=mask is not None)
-    out = exact_loss_reduce(values, reduction, mask=mask, out_dtype=out_dtype, combine=combine)
+    out = exact_loss_reduce(values, reduction, mask=mask, out_dtype=out_dtype, count=count, combine=combine)
     if out.requires_grad:  # only a loss that is back-propagated decides the gradient scale
         _state.used = True
     return out
@@ -102,11 +102,13 @@ def global_sum(values: torch.Tensor, group: Optional[object] = None, mask: Optio
     return _global(values, "sum", mask, group, torch.float32)
 
 
-def global_loss_reduce(values: torch.Tensor, mask: torch.Tensor, reduction: str, out_dtype: torch.dtype):
+def global_loss_reduce(values: torch.Tensor, mask: torch.Tensor, reduction: str, out_dtype: torch.dtype,
+                       count: Optional[int] = None):
     """det_ddp's reduction for ``F.cross_entropy(..., reduction='mean' | 'sum')`` (the
     ``loss_reduce`` of :func:`lightning_det.nn.det_function_mode`): the global mean over the
     non-ignored rows of every rank, or the global sum, rounded once to the logits' dtype.
-    At world size 1 it is bitwise ``det_cross_entropy``'s own reduction."""
+    At world size 1 it is bitwise ``det_cross_entropy``'s own reduction. ``count``: this rank's
+    number of True mask elements when the caller knows it (saves reading it back)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction: expected 'mean' or 'sum', got {reduction!r}")
-    return _global(values, reduction, mask, None, out_dtype)
+    return _global(values, reduction, mask, None, out_dtype, count)
