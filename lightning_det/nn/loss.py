@@ -37,7 +37,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from ..ops import det_combine, det_finalize, det_normalize, to_digits
-from ..ops.exact_scalar import mean_of_acc, reciprocal
+from ..ops.exact_scalar import mean_of_acc, pow2_scale_exp, reciprocal
 from ..ops.trust import trusted, trusted_fn
 from .functional import _ops, det_exp, det_row_sums
 
@@ -85,11 +85,6 @@ class _CrossEntropyRows(torch.autograd.Function):
 Combine = Callable[[torch.Tensor, int], Tuple[torch.Tensor, int]]
 
 
-def _is_pow2(count: int) -> bool:
-    """A count det_finalize's scale_exp can divide by: 2^k, k in [0, 64]."""
-    return 0 < count <= 1 << 64 and count & (count - 1) == 0
-
-
 class _ExactReduce(torch.autograd.Function):
     """Exact sum or mean of every element of ``values`` (optionally masked), rounded once."""
 
@@ -106,9 +101,10 @@ class _ExactReduce(torch.autograd.Function):
         if combine is not None:
             total, count = combine(total, count)
         ctx.scale = None
-        if mean and _is_pow2(count):
+        scale_exp = pow2_scale_exp(count) if mean else None
+        if scale_exp is not None:
             # dividing by 2^k inside the one rounding is exact: rounded on the device, no host sync
-            out = det_finalize(total, out_dtype, scale_exp=-(count.bit_length() - 1)).reshape(())
+            out = det_finalize(total, out_dtype, scale_exp=scale_exp).reshape(())
             ctx.scale = reciprocal(count)
         elif mean:
             value = math.nan if count == 0 else mean_of_acc(total[0].tolist(), count, out_dtype)

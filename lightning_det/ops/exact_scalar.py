@@ -6,6 +6,7 @@ Used where a value must be divided by a count that is not a power of two (a glob
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -69,3 +70,11 @@ def mean_of_acc(words, count: int, dtype: torch.dtype = torch.float32) -> float:
 def reciprocal(count: int, dtype: torch.dtype = torch.float32) -> float:
     """1 / count correctly rounded into ``dtype`` (Python's 1.0 / count would round twice)."""
     return round_ratio(1 << -LSB_EXP, count, dtype)
+
+
+def pow2_scale_exp(count: int) -> Optional[int]:
+    """-k when ``count`` is 2^k, 0 <= k <= 64, else None: the ``scale_exp`` with which
+    ``det_finalize`` divides by ``count`` inside its one rounding (exactly, on the device)."""
+    if count <= 0 or count & (count - 1) or count > 1 << 64:
+        return None
+    return -(count.bit_length() - 1)

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from ..nn.grad_digits import DIGITS_ATTR, ROUNDED_ATTR, clear_forward_uses, grad_digits, take_rounded_grad
 from ..ops import det_finalize, to_digits
+from ..ops.exact_scalar import pow2_scale_exp
 from ..ops.distributed import det_all_reduce_windowed
 from ..profile import WORDS
 
@@ -25,14 +26,15 @@ def grad_scale_exp(world_size: int, loss_is_global: bool) -> int:
     """
     if loss_is_global or world_size == 1:
         return 0
-    if world_size & (world_size - 1):
+    scale_exp = pow2_scale_exp(world_size)
+    if scale_exp is None:
         raise ValueError(
             f"world_size: {world_size} is not a power of two, so the per-rank mean loss cannot be turned "
             "into the global mean without a second rounding. Compute the loss with "
             "lightning_det.global_mean(per_sample_losses) (e.g. F.cross_entropy(..., reduction='none')), "
             "which divides by the global sample count."
         )
-    return -(world_size.bit_length() - 1)
+    return scale_exp
 
 
 def sync_gradients(

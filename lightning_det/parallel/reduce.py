@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops import det_all_reduce, det_finalize, det_normalize, to_digits
-from ..ops.exact_scalar import mean_of_acc, round_ratio
+from ..ops.exact_scalar import mean_of_acc, pow2_scale_exp, round_ratio
 from ..ops.trust import trusted
 
 __all__ = ["exact_reduce"]
@@ -56,8 +56,9 @@ def _exact_reduce(tensor: torch.Tensor, group: Optional[object], reduce_op: str)
     acc = det_all_reduce(acc, group) if multi and world > 1 else det_normalize(acc)
     if op == "sum":
         return det_finalize(acc, tensor.dtype)
-    if world & (world - 1) == 0:
-        return det_finalize(acc, tensor.dtype, scale_exp=-(world.bit_length() - 1))
+    scale_exp = pow2_scale_exp(world)
+    if scale_exp is not None:
+        return det_finalize(acc, tensor.dtype, scale_exp=scale_exp)
     flat = acc.reshape(-1, acc.shape[-1]).cpu().tolist()
     vals = [mean_of_acc(words, world, tensor.dtype) for words in flat]
     return torch.tensor(vals, dtype=torch.float32).to(tensor.dtype).to(tensor.device).reshape(tensor.shape)
