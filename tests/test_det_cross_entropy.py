@@ -261,7 +261,8 @@ def _mean_cases():
     ]
 
 
-def test_power_of_two_mean_rounds_on_the_device_like_the_host_route(monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_power_of_two_mean_rounds_on_the_device_like_the_host_route(monkeypatch, device):
     # A mean over 2^k elements is rounded by det_finalize (the division by 2^k inside the one
     # rounding, on the values' device: no host read); other counts go through Python integers
     # (mean_of_acc). The bytes must be those of the integer route on every rounding edge.
@@ -272,16 +273,17 @@ def test_power_of_two_mean_rounds_on_the_device_like_the_host_route(monkeypatch)
     for values, dtype in _mean_cases():
         total = det_normalize(to_digits(values).sum(0, keepdim=True))
         ref = torch.tensor(mean_of_acc(total[0].tolist(), values.numel(), dtype), dtype=torch.float32).to(dtype)
-        got = exact_loss_reduce(values, "mean", out_dtype=dtype)
-        assert_bitwise(got, ref, f"mean of {values.numel()} values -> {dtype}: {values[:4].tolist()}")
+        got = exact_loss_reduce(values.to(device), "mean", out_dtype=dtype)
+        assert got.device.type == device
+        assert_bitwise(got.cpu(), ref, f"mean of {values.numel()} values -> {dtype}: {values[:4].tolist()}")
 
     def host_read(*a, **k):
         raise AssertionError("the mean was read back to the host")
 
     monkeypatch.setattr(loss_mod, "mean_of_acc", host_read)
-    exact_loss_reduce(torch.ones(8), "mean")  # 2^3: rounded on the device
+    exact_loss_reduce(torch.ones(8, device=device), "mean")  # 2^3: rounded on the device
     with pytest.raises(AssertionError, match="read back"):  # control: 3 is not a power of two
-        exact_loss_reduce(torch.ones(3), "mean")
+        exact_loss_reduce(torch.ones(3, device=device), "mean")
 
 
 def test_mean_gradient_scales_by_powers_of_two_for_per_rank_means():
