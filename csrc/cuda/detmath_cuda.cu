@@ -109,17 +109,35 @@ __global__ void dot_partial_kernel(const T* a, const T* b, int64_t n, int64_t le
   dot_strided(a, b, o * o_step + j0 * e_step, e_step, j1 > j0 ? j1 - j0 : 0, partial + (c * n + o) * LDET_WORDS);
 }
 
+// Outputs per block of the combine: one thread per (output, word), 13 outputs at 256 threads.
+constexpr int kCombineOutputs = kThreads / LDET_WORDS;
+
+// Adds each output's nchunks partials word by word, then normalizes. One thread per (output,
+// word): a block's loads of one chunk are kCombineOutputs * 19 consecutive words (coalesced).
+// Session 10's version gave each thread one output's 19 * nchunks loads (1024 threads for a
+// LayerNorm's column sums, 1216 loads each: ~40% of the dot sums' GPU time; NOTES, session 11).
 __global__ void dot_combine_kernel(const int64_t* __restrict__ partial, int64_t n, int64_t nchunks,
                                    int64_t* __restrict__ out) {
-  const int64_t o = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (o >= n) return;
-  int64_t acc[LDET_WORDS];
-  zero(acc);
-  // nchunks canonical accumulators: far inside the headroom (2^31 - 1 of them, longacc.h)
-  for (int64_t c = 0; c < nchunks; ++c)
-    for (int w = 0; w < LDET_WORDS; ++w) acc[w] += partial[(c * n + o) * LDET_WORDS + w];
-  normalize(acc);
-  for (int w = 0; w < LDET_WORDS; ++w) out[o * LDET_WORDS + w] = acc[w];
+  __shared__ int64_t s[kCombineOutputs * LDET_WORDS];
+  const int64_t o0 = int64_t(blockIdx.x) * kCombineOutputs;
+  const int64_t outputs = n - o0 < kCombineOutputs ? n - o0 : kCombineOutputs;
+  const int i = threadIdx.x;  // word i % 19 of output o0 + i / 19
+  if (i < outputs * LDET_WORDS) {
+    // nchunks canonical words: far inside the headroom (2^31 - 1 of them, longacc.h)
+    const int64_t* p = partial + o0 * LDET_WORDS + i;
+    int64_t sum = 0;
+    for (int64_t c = 0; c < nchunks; ++c) sum += p[c * n * LDET_WORDS];
+    s[i] = sum;
+  }
+  __syncthreads();
+  if (i < outputs) {
+    int64_t acc[LDET_WORDS];
+    for (int w = 0; w < LDET_WORDS; ++w) acc[w] = s[i * LDET_WORDS + w];
+    normalize(acc);
+    for (int w = 0; w < LDET_WORDS; ++w) s[i * LDET_WORDS + w] = acc[w];
+  }
+  __syncthreads();
+  if (i < outputs * LDET_WORDS) out[o0 * LDET_WORDS + i] = s[i];
 }
 
 // Chunks per output: enough threads to fill the GPU (~64K), chunks of at least 64 elements.
@@ -154,8 +172,9 @@ at::Tensor dot_launch(const at::Tensor& a, const c10::optional<at::Tensor>& b, b
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (nchunks > 1) {
-      dot_combine_kernel<<<blocks_for(n), kThreads, 0, stream>>>(partial.data_ptr<int64_t>(), n, nchunks,
-                                                                 out.data_ptr<int64_t>());
+      const unsigned blocks = unsigned((n + kCombineOutputs - 1) / kCombineOutputs);
+      dot_combine_kernel<<<blocks, kThreads, 0, stream>>>(partial.data_ptr<int64_t>(), n, nchunks,
+                                                          out.data_ptr<int64_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
