@@ -19,9 +19,11 @@ GPU, none on the CPU). --profile L prints torch.profiler's host-op table (self C
 steps of level L (3 or 4): diff the two tables to see what Lightning adds (on CUDA also the
 kernels' device time). --after re-times level 3 after level 4 in the same process, --nccl sets up
 a one-rank process group first, --no-gc turns Python's cyclic GC off: each separates Lightning's
-loop from the state it leaves in the process.
-Prints one line per level (session 10's log: results/logs/h200-step-layers-d9e711b.txt, from a
-scratch script with these levels and timing that also printed a profile table).
+loop from the state it leaves in the process. --phases times level 3 once more (and level 4) with
+host-time marks between forward, backward, gradient sync, optimizer step and the final wait.
+Prints one line per level, with the GC, cudaMalloc and CPU time of its timed steps (session 10's
+log: results/logs/h200-step-layers-d9e711b.txt, from a scratch script with these levels; session
+11's: logs/h200-step-layers-lightning-281e7ee.txt, logs/h200-step-layers-profile-281e7ee.txt).
 """
 from __future__ import annotations
 
