@@ -254,6 +254,22 @@ LDET_HD bool add_units(u128& T, double b, int Eu, int max_bits) {
 }
 #endif
 
+// The end of the long-accumulator route of one output: acc already holds its product sums; adds
+// the residue terms and the bias, normalizes, and writes the digits (acc_out) or their rounding.
+LDET_HD void finish_output_digits(int64_t* acc, const double* bias, int fmt, const ResidueTerms& terms,
+                                  float* out_val, int64_t* acc_out) {
+  // exact products of parts of the inputs; add_value: an output of a row left to the kernel
+  // (recomputed there) may meet inf/NaN here, which must not index past the digits
+  terms.each([&](double t) { add_value(acc, t); });
+  if (bias != nullptr) add_value(acc, *bias);
+  normalize(acc);
+  if (acc_out != nullptr) {
+    for (int i = 0; i < LDET_WORDS; ++i) acc_out[i] = acc[i];
+  } else {
+    *out_val = finalize_fmt(acc, fmt);
+  }
+}
+
 // The long-accumulator route of one output (combine_output's fallback, and its digits): every
 // int32 diagonal sum, residue term and the bias added exactly as fp64 values.
 LDET_HD void combine_output_digits(const int32_t* c, int64_t pstride, int nch, int D, int bits, int E,
@@ -267,16 +283,7 @@ LDET_HD void combine_output_digits(const int32_t* c, int64_t pstride, int nch, i
       if (v) add_double(acc, ldexp(double(v), E + bits * d));  // exact (header comment, step 2)
     }
   }
-  // exact products of parts of the inputs; add_value: an output of a row left to the kernel
-  // (recomputed there) may meet inf/NaN here, which must not index past the digits
-  terms.each([&](double t) { add_value(acc, t); });
-  if (bias != nullptr) add_value(acc, *bias);
-  normalize(acc);
-  if (acc_out != nullptr) {
-    for (int i = 0; i < LDET_WORDS; ++i) acc_out[i] = acc[i];
-  } else {
-    *out_val = finalize_fmt(acc, fmt);
-  }
+  finish_output_digits(acc, bias, fmt, terms, out_val, acc_out);
 }
 
 // One output straight from the operands: x[m, :] . w[n, :] (+ bias), every product exact in fp64
@@ -305,20 +312,15 @@ LDET_HD void exact_output(const Elems& x, int64_t m, const Elems& w, int64_t n, 
 }
 
 #if defined(__SIZEOF_INT128__)
-// The 128-bit route of one rounded output (combine_output): c[(ch * D + d) * pstride] are the
-// int32 diagonal sums of K-chunk ch; their exact sum times 2^E, the residue terms and the bias
-// (may be null), rounded once to fmt into *out_val. F: bits the output's residues reach below
-// 2^E. The caller proved the sum in units of 2^(E - F) stays below 2^126 (the host's `wide`).
-// Returns false, leaving the output to combine_output_digits, when the bias or a term is not an
-// integer number of those units within range.
+// The diagonals' exact sum sum_d C_d 2^(bits d), c[(ch * D + d) * pstride] the int32 diagonal sums
+// of K-chunk ch, as a two's complement 128-bit integer (the caller's proof keeps it in range).
+// DC > 0: one K-chunk and DC == D diagonals known at compile time (both devices' common case):
+// every load first, so their latencies overlap, and no work for absent diagonals.
 template <int DC = 0>
-LDET_HD bool combine_output_fast(const int32_t* c, int64_t pstride, int nch, int D, int bits, int E, int F,
-                                 const double* bias, int fmt, const ResidueTerms& terms, float* out_val) {
+LDET_HD u128 diagonal_sum(const int32_t* c, int64_t pstride, int nch, int D, int bits) {
   // Horner from the top diagonal: constant shifts only, modular (unsigned) arithmetic
   u128 T = 0;
   if (DC > 0) {
-    // one K-chunk and DC == D diagonals known at compile time (both devices' common case): every
-    // load first, so their latencies overlap, and no work for absent diagonals
     int32_t v[DC > 0 ? DC : 1];
 #pragma unroll
     for (int d = 0; d < DC; ++d) v[d] = c[d * pstride];
@@ -331,6 +333,17 @@ LDET_HD bool combine_output_fast(const int32_t* c, int64_t pstride, int nch, int
       T = (T << bits) + u128(i128(s));
     }
   }
+  return T;
+}
+
+// The 128-bit route of one rounded output: T, the product sums' integer in units of 2^E (the
+// diagonals' sum, or the residues' reconstruction: crt.h), the residue terms and the bias (may be
+// null), rounded once to fmt into *out_val. F: bits the output's residues reach below 2^E. The
+// caller proved the sum in units of 2^(E - F) stays below 2^126 (the host's `wide`). Returns
+// false, leaving the output to the digits, when the bias or a term is not an integer number of
+// those units within range.
+LDET_HD bool finish_output_fast(u128 T, int E, int F, const double* bias, int fmt, const ResidueTerms& terms,
+                                float* out_val) {
   T <<= F;
   const int Eu = E - F;
   // the bias joins T when it is an integer number of units below 2^100 of them
@@ -345,6 +358,31 @@ LDET_HD bool combine_output_fast(const int32_t* c, int64_t pstride, int nch, int
     *out_val = round_int128_fmt(neg, neg ? u128(-Ts) : u128(Ts), Eu, fmt);
   }
   return true;
+}
+
+// The 128-bit route of one rounded output from its int32 diagonal sums (finish_output_fast).
+template <int DC = 0>
+LDET_HD bool combine_output_fast(const int32_t* c, int64_t pstride, int nch, int D, int bits, int E, int F,
+                                 const double* bias, int fmt, const ResidueTerms& terms, float* out_val) {
+  return finish_output_fast(diagonal_sum<DC>(c, pstride, nch, D, bits), E, F, bias, fmt, terms, out_val);
+}
+
+// One output from its product sums' integer P (units of 2^E) instead of the diagonals (the
+// CRT route, crt.h): the 128-bit route where `wide` and a rounded output allow it, else the
+// digits, P entering them as 32-bit limbs (each an exact fp64 value: header comment, step 2).
+LDET_HD void combine_output_value(i128 P, int E, int F, const double* bias, bool wide, int fmt,
+                                  const ResidueTerms& terms, float* out_val, int64_t* acc_out) {
+  if (acc_out == nullptr && wide && finish_output_fast(u128(P), E, F, bias, fmt, terms, out_val)) return;
+  int64_t acc[LDET_WORDS];
+  zero(acc);
+  const bool neg = P < 0;
+  u128 mag = neg ? u128(-P) : u128(P);
+  for (int k = 0; mag != 0; ++k, mag >>= 32) {
+    const uint32_t limb = uint32_t(mag);
+    // a multiple of P's lowest set bit, which lies on the 2^-298 grid: exact, on the grid
+    if (limb) add_double(acc, ldexp(neg ? -double(limb) : double(limb), E + 32 * k));
+  }
+  finish_output_digits(acc, bias, fmt, terms, out_val, acc_out);
 }
 #endif
 

@@ -21,13 +21,17 @@
 #include <unordered_map>
 #include <utility>
 
+#include "crt.h"
 #include "int_slices.h"
 #include "uninit.h"
 
 namespace ldet {
 
 // Path switch (ldet::set_gemm_path, lightning_det.ops.gemm_path): which exact route gemm takes.
-enum GemmPath { kPathAuto = 0, kPathKernel = 1, kPathSlices = 2 };
+// kPathSlices: the slices, with the backend's choice between diagonals and the CRT route (crt.h);
+// kPathSlicesDiagonals / kPathSlicesCrt force one of them (CRT where the backend has
+// it and the moduli cover the products; else the diagonals).
+enum GemmPath { kPathAuto = 0, kPathKernel = 1, kPathSlices = 2, kPathSlicesDiagonals = 3, kPathSlicesCrt = 4 };
 int gemm_path();  // csrc/schema/gemm.cpp
 
 // One operand's slices and what the combine needs of it (rows narrowed for an N-chunk of w).
@@ -123,14 +127,17 @@ struct SliceBackend {
   // parts; zero padding and zero rows for rows needing more than S. Also the scales and, when
   // `residues`, the residue lists (SliceOperand). left: undefined, or (R + 1,) int32 zeros that
   // receive the rows needing more than S (left[0] their count, left[1..] the rows, any order).
+  // moduli > 0 (the CRT route, crt.h; nch == 1): int8 (Rp, moduli * Kc) instead, columns
+  // [t * Kc, +Kc) holding the symmetric remainders of the window integers modulo crt_table(bits).m[t].
   SliceOperand (*make_slices)(const at::Tensor& a, const at::Tensor& needs, int64_t S, int64_t bits, bool reverse,
-                              int64_t Kc, int64_t nch, int64_t Rp, bool residues, const at::Tensor& left);
+                              int64_t Kc, int64_t nch, int64_t Rp, bool residues, const at::Tensor& left,
+                              int64_t moduli);
   // Rounded (M, Nv) of out_dtype, or digits (M, Nv, 19), from C (nch * D, Mp, Ncp) int32 and
   // both operands' residues (w's narrowed to the chunk's Nv rows). `wide`, or check.sums: the
-  // 128-bit route's proof (WideCheck).
+  // 128-bit route's proof (WideCheck). moduli > 0: C is (moduli, Mp, Ncp), the remainder sums.
   at::Tensor (*combine)(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOperand& x, const SliceOperand& w,
                         const at::Tensor& bias, int64_t D, int64_t bits, bool wide, const WideCheck& check,
-                        bool digits, at::ScalarType out_dtype);
+                        bool digits, at::ScalarType out_dtype, int64_t moduli);
   // One int8 GEMM (Int8Gemm) on `device`, exact in int32.
   void (*int8_mm)(const Int8Gemm& g, const at::Device& device);
   // Overwrites the outputs of the rows listed in `left` (make_slices' list: x's rows when x_rows,
@@ -153,12 +160,18 @@ struct SliceBackend {
   int64_t chunk_max_outputs;
   // Whether slice GEMMs plan from cached guesses unless told otherwise (set_slices_guess).
   bool guess_by_default;
+  // The CRT route (crt.h): whether make_slices / combine take moduli > 0, and the cost of one
+  // output's reconstruction per modulus squared, in int8 multiply-adds (the auto choice weighs
+  // Q GEMMs plus that against Sx * Sw GEMMs; infinity: only where a path forces it).
+  bool crt_route;
+  double crt_output_macs;
 };
 
 // The plan of the last GEMM this thread ran on the slices: Sx, Sw, x's and w's residues, x's and
-// w's rows left to the kernel (tests and benchmarks read it: lightning_det.ops.last_slices_plan).
-// A guessed plan (below) records -1 for the counts it did not wait for.
-std::array<int64_t, 6>& last_slices_plan();
+// w's rows left to the kernel, and the moduli of the CRT route (0: the diagonals) (tests and
+// benchmarks read it: lightning_det.ops.last_slices_plan). A guessed plan (below) records -1 for
+// the counts it did not wait for.
+std::array<int64_t, 7>& last_slices_plan();
 
 // How slice GEMMs get their plan (set_slices_guess, csrc/schema/gemm.cpp): {-1, -1} the backend's
 // default, {-2, -2} cached guesses on every device, {0, 0} from this call's summaries (one host
@@ -309,6 +322,19 @@ inline SlicePlan plan_from_summaries(const int32_t* sx, const int32_t* sw, int64
   return plan_slices(sx, sw, M, N, K, be.bits, be.term_macs);
 }
 
+// The CRT route's moduli for this GEMM (crt.h), or 0 for the diagonals: forced by the path,
+// else where the backend has the route and Q GEMMs plus the reconstruction cost less than the
+// diagonals' Sx * Sw GEMMs.
+inline int64_t crt_moduli(const SliceBackend& be, int mode, int64_t M, int64_t N, int64_t K, int64_t Sx,
+                              int64_t Sw) {
+  if (!be.crt_route || mode == kPathSlicesDiagonals) return 0;
+  const int64_t Q = crt_moduli_needed(K, int(Sx), int(Sw), be.bits);
+  if (Q == 0 || mode == kPathSlicesCrt) return Q;
+  const double mn = double(M) * double(N);
+  const double residues = double(Q) * mn * double(K) + be.crt_output_macs * double(Q * Q) * mn;
+  return residues < double(Sx * Sw) * mn * double(K) ? Q : 0;
+}
+
 inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias,
                                   bool digits, at::ScalarType out_dtype, const SliceBackend& be,
                                   const LongAccGemm& long_acc) {
@@ -373,7 +399,7 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
     slice_k_chunks(K, gSx, gSw, bits, &plan.Kc, &plan.nch);
     left_x = scratch.narrow(0, 2 * kSumLen, M + 1);
     left_w = scratch.narrow(0, 2 * kSumLen + M + 1, N + 1);
-    last_slices_plan() = {gSx, gSw, -1, -1, -1, -1};
+    last_slices_plan() = {gSx, gSw, -1, -1, -1, -1, 0};
   } else {
     // One host synchronization: both operands' summaries (int_slices.h, kSum*).
     const at::Tensor summary = sums.cpu();
@@ -391,12 +417,16 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
     res_x = plan.Sx > 0 && sx[kSumCount + plan.Sx - 1] > 0;
     res_w = plan.Sw > 0 && sw[kSumCount + plan.Sw - 1] > 0;
     last_slices_plan() = {plan.Sx, plan.Sw, plan.Sx > 0 ? sx[kSumCount + plan.Sx - 1] : 0,
-                          plan.Sw > 0 ? sw[kSumCount + plan.Sw - 1] : 0, nbad_x, nbad_w};
+                          plan.Sw > 0 ? sw[kSumCount + plan.Sw - 1] : 0, nbad_x, nbad_w, 0};
   }
-  const int64_t Sx = plan.Sx, Sw = plan.Sw, Kc = plan.Kc, nch = plan.nch;
-  const WideCheck check{guessed ? sums.data_ptr<int32_t>() : nullptr, int(Sx), int(Sw), nch, Kc};
+  const int64_t Sx = plan.Sx, Sw = plan.Sw;
+  const WideCheck check{guessed ? sums.data_ptr<int32_t>() : nullptr, int(Sx), int(Sw), plan.nch, plan.Kc};
   const int64_t Mp = std::max<int64_t>(M, 17);  // cuBLASLt int8: M > 16
-  const int64_t D = (Sx > 0 && Sw > 0) ? Sx + Sw - 1 : 0, P = D * nch;
+  // Diagonals (Sx * Sw GEMMs' multiply-adds, K in nch chunks) or CRT (Q GEMMs of all of K).
+  const int64_t Q = crt_moduli(be, mode, M, N, K, Sx, Sw);
+  last_slices_plan()[6] = Q;
+  const int64_t Kc = Q > 0 ? round_up(K, 16) : plan.Kc, nch = Q > 0 ? 1 : plan.nch;
+  const int64_t D = (Sx > 0 && Sw > 0) ? Sx + Sw - 1 : 0, P = Q > 0 ? Q : D * nch;
 
   // N in chunks so the int32 diagonals stay within ~256 MiB (they live at the training step's peak).
   // LIGHTNING_DET_SLICES_CHUNK_MIB changes the cap (benchmarks: wider GEMMs against memory).
@@ -408,8 +438,8 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
   const char* contig_env = std::getenv("LIGHTNING_DET_SLICES_CONTIGUOUS");
   const bool contig = contig_env != nullptr && std::string(contig_env) == "1";
 
-  const SliceOperand xo = be.make_slices(x, nx, Sx, bits, false, Kc, nch, Mp, res_x, left_x);
-  const SliceOperand wo = be.make_slices(w, nw, Sw, bits, true, Kc, nch, Np, res_w, left_w);
+  const SliceOperand xo = be.make_slices(x, nx, Sx, bits, false, Kc, nch, Mp, res_x, left_x, Q);
+  const SliceOperand wo = be.make_slices(w, nw, Sw, bits, Q == 0, Kc, nch, Np, res_w, left_w, Q);
   const at::Tensor& xs = xo.q;
   const at::Tensor& ws = wo.q;
   at::Tensor bd;
@@ -423,12 +453,19 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
     const int64_t ncp = std::min(Nc, Np - n0), nv = std::min(Nc, N - n0);
     at::Tensor C = uninit({P, Mp, ncp}, x.options().dtype(at::kInt));  // each diagonal's GEMM writes all of it
     int32_t* Cq = C.numel() ? C.data_ptr<int32_t>() : nullptr;
-    for (int64_t c = 0; c < nch; ++c) {
-      for (int64_t d = 0; d < D; ++d) {
-        const int64_t i0 = std::max<int64_t>(0, d - (Sw - 1)), i1 = std::min<int64_t>(d, Sx - 1);
-        // x slices i0..i1 and w slices d-i0 .. d-i1, whose reversed slots are contiguous too
-        const int64_t xcol = (c * Sx + i0) * Kc, wcol = (c * Sw + (Sw - 1 - d + i0)) * Kc, klen = (i1 - i0 + 1) * Kc;
-        Int8Gemm g{xq + xcol, ldx, wq + n0 * ldw + wcol, ldw, Cq + (c * D + d) * Mp * ncp, ncp, Mp, ncp, klen};
+    // one int8 GEMM per (K-chunk, diagonal), or per modulus
+    for (int64_t c = 0; c < (Q > 0 ? Q : nch); ++c) {
+      for (int64_t d = 0; d < (Q > 0 ? 1 : D); ++d) {
+        int64_t xcol = c * Kc, wcol = c * Kc, klen = Kc, plane = c;
+        if (Q == 0) {
+          const int64_t i0 = std::max<int64_t>(0, d - (Sw - 1)), i1 = std::min<int64_t>(d, Sx - 1);
+          // x slices i0..i1 and w slices d-i0 .. d-i1, whose reversed slots are contiguous too
+          xcol = (c * Sx + i0) * Kc;
+          wcol = (c * Sw + (Sw - 1 - d + i0)) * Kc;
+          klen = (i1 - i0 + 1) * Kc;
+          plane = c * D + d;
+        }
+        Int8Gemm g{xq + xcol, ldx, wq + n0 * ldw + wcol, ldw, Cq + plane * Mp * ncp, ncp, Mp, ncp, klen};
         at::Tensor a_copy, b_copy;  // stream-ordered: they may be freed once the GEMM is queued
         if (contig) {  // the benchmarks' variant: contiguous copies of both operands
           a_copy = xs.narrow(1, xcol, klen).contiguous();
@@ -442,7 +479,7 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
     }
     const bool whole = n0 == 0 && nv == N;
     at::Tensor part = be.combine(C, M, nv, xo, wo.rows(n0, nv), bd.defined() && !whole ? bd.narrow(0, n0, nv) : bd,
-                                 D, bits, plan.wide, check, digits, out_dtype);
+                                 D, bits, plan.wide, check, digits, out_dtype, Q);
     if (whole) {
       out = part;
     } else {

@@ -34,6 +34,28 @@ def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
 
 
 
+def seven_bit_digits_gemm(route: str, seeds=(12, 13, 14), check_plan: str = "True") -> torch.Tensor:
+    """det_gemm_partial(x, w, b) of gen.normal operands (30 x 200, 20 x 200, bias 20; the given
+    seeds) under gemm_path(route), computed in a fresh process with LIGHTNING_DET_SLICE_BITS=7:
+    the 7-bit digits of machines without VNNI, whose CPU backend is chosen once per process.
+    check_plan: a Python expression on `plan` (last_slices_plan()) the child asserts."""
+    sx, sw, sb = seeds
+    code = (
+        "import sys, torch; sys.path.insert(0, 'tests'); import gen\n"
+        "from lightning_det.ops import det_gemm_partial, gemm_path, last_slices_plan\n"
+        f"x, w, b = gen.normal((30, 200), torch.float32, {sx}), gen.normal((20, 200), torch.float32, {sw}), "
+        f"gen.normal((20,), torch.float32, {sb})\n"
+        f"with gemm_path({route!r}):\n    out = det_gemm_partial(x, w, b)\n    plan = last_slices_plan()\n"
+        f"assert {check_plan}, plan\n"
+        "torch.save(out, sys.argv[1])\n"
+    )
+    out = REPO / "build" / f"seven_bit_digits_{route}.pt"
+    out.parent.mkdir(exist_ok=True)
+    env = dict(os.environ, LIGHTNING_DET_SLICE_BITS="7", OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, "-c", code, str(out)], cwd=REPO, env=env, check=True, timeout=600)
+    return torch.load(out)
+
+
 def clean_env(**extra) -> dict:
     """A minimal environment for child processes: no inherited torch/Lightning/pytest state."""
     env = {k: os.environ[k] for k in ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "LIGHTNING_DET_BUILD_DIR",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_bitwise
+from conftest import assert_bitwise, seven_bit_digits_gemm
 
 import gen
 from lightning_det.ops import det_gemm, det_gemm_partial, gemm_path, last_slices_plan, slices_guess
@@ -18,20 +18,23 @@ OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def both_paths(fn):
+def both_paths(fn, slices="slices"):
     with gemm_path("kernel"):
         ref = fn()
-    with gemm_path("slices"):
+    with gemm_path(slices):
         got = fn()
     return ref, got
 
 
 def assert_same_everywhere(x, w, bias=None, what=""):
-    for od in OUT_DTYPES:
-        ref, got = both_paths(lambda: det_gemm(x, w, bias, out_dtype=od))
-        assert_bitwise(got, ref, f"{what} det_gemm out {od}: slices vs kernel")
-    ref, got = both_paths(lambda: det_gemm_partial(x, w, bias))
-    assert torch.equal(got, ref), f"{what} det_gemm_partial: slices digits differ from the kernel's"
+    # the slices with each way of forming their products: one GEMM per diagonal of slice pairs,
+    # and (where the device has it and the moduli cover the products) one per CRT modulus
+    for route in ("slices_diagonals", "slices_crt"):
+        for od in OUT_DTYPES:
+            ref, got = both_paths(lambda: det_gemm(x, w, bias, out_dtype=od), route)
+            assert_bitwise(got, ref, f"{what} det_gemm out {od}: {route} vs kernel")
+        ref, got = both_paths(lambda: det_gemm_partial(x, w, bias), route)
+        assert torch.equal(got, ref), f"{what} det_gemm_partial: {route} digits differ from the kernel's"
 
 
 TINY = 1.5 * 2.0**-21  # bits at 2^-21 and 2^-22: in a row topped by 1.0, 3 slices end at 2^-21
@@ -155,18 +158,7 @@ def test_seven_bit_digits_give_the_same_bytes():
     x, w, b = gen.normal((30, 200), torch.float32, 12), gen.normal((20, 200), torch.float32, 13), gen.normal((20,), torch.float32, 14)
     with gemm_path("slices"):
         want = det_gemm_partial(x, w, b)
-    code = (
-        "import sys, torch; sys.path.insert(0, 'tests'); import gen\n"
-        "from lightning_det.ops import det_gemm_partial, gemm_path\n"
-        "x, w, b = gen.normal((30, 200), torch.float32, 12), gen.normal((20, 200), torch.float32, 13), "
-        "gen.normal((20,), torch.float32, 14)\n"
-        "with gemm_path('slices'):\n    torch.save(det_gemm_partial(x, w, b), sys.argv[1])\n"
-    )
-    out = ROOT / "build" / "seven_bit_digits.pt"
-    out.parent.mkdir(exist_ok=True)
-    env = dict(os.environ, LIGHTNING_DET_SLICE_BITS="7", OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, "-c", code, str(out)], cwd=ROOT, env=env, check=True, timeout=600)
-    assert torch.equal(torch.load(out), want)
+    assert torch.equal(seven_bit_digits_gemm("slices"), want)
 
 
 def assert_cuda_same_as_kernel_and_cpu(x, w, b, what):

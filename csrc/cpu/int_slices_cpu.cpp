@@ -83,8 +83,10 @@ at::Tensor row_needs_cpu(const at::Tensor& a, int64_t bits, at::Tensor& summary)
 }
 
 SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64_t S, int64_t bits, bool reverse,
-                             int64_t Kc, int64_t nch, int64_t Rp, bool residues, const at::Tensor& left) {
-  const int64_t R = a.size(0), K = a.size(1), width = nch * S * Kc;
+                             int64_t Kc, int64_t nch, int64_t Rp, bool residues, const at::Tensor& left,
+                             int64_t moduli) {
+  const int64_t R = a.size(0), K = a.size(1), width = moduli > 0 ? moduli * Kc : nch * S * Kc;
+  const CrtTable& crt = crt_table(int(bits));
   SliceOperand so = new_slice_operand(a, Rp, width, residues, /*zero_fill=*/true);
   const int32_t* nd = needs.data_ptr<int32_t>();
   int8_t* o = so.q.data_ptr<int8_t>();
@@ -110,7 +112,11 @@ SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64
           for (int64_t k = c * Kc, kk = 0; k < std::min(K, (c + 1) * Kc); ++k, ++kk) {
             const double v = static_cast<double>(p[r * K + k]);
             const int64_t X = window_integer(v, s);
-            slice_integer(X, int(S), int(bits), base + kk, step);
+            if (moduli > 0) {  // the CRT route (crt.h): plane t at columns [t * Kc, +Kc)
+              for (int64_t t = 0; t < moduli; ++t) o[r * width + t * Kc + k] = crt_remainder(X, crt, int(t));
+            } else {
+              slice_integer(X, int(S), int(bits), base + kk, step);
+            }
             if (residues && v != double(X) * unscale) {
               // row_plan bounded this row's residues at S by kResidueCap
               ri[r * kResidueCap + nres] = int32_t(k);
@@ -149,7 +155,7 @@ Elems elems_of(const at::Tensor& a) {
 struct CombineView {
   const int32_t* c;
   int64_t pstride, Ncp, Nv;
-  int nch, D, bits, fmt;
+  int nch, D, bits, fmt, moduli;  // moduli > 0: c holds remainder sums (crt.h), not diagonals
   bool wide, digits;
   const int32_t *sx, *sw;
   Residues rx, rw;
@@ -171,7 +177,13 @@ void combine_rows(const CombineView& v, int64_t b, int64_t e) {
       const double* bn = v.bias ? v.bias + n : nullptr;
       const ResidueTerms terms{v.rx, v.ex, v.sx[m], m, v.rw, v.ew, n};
       const int64_t i = m * v.Nv + n;
-      if (v.digits) {
+      if (v.moduli > 0) {  // the CRT route: the same integer, reconstructed (crt.h)
+        const i128 P = crt_value(cp, v.pstride, v.moduli, crt_table(v.bits));
+        float val;
+        combine_output_value(P, E, F, bn, v.wide, v.fmt, terms, v.digits ? nullptr : &val,
+                             v.digits ? static_cast<int64_t*>(v.out) + i * LDET_WORDS : nullptr);
+        if (!v.digits) store_fmt(v.out, i, val, v.fmt);
+      } else if (v.digits) {
         combine_output<DC>(cp, v.pstride, v.nch, v.D, v.bits, E, F, bn, v.wide, v.fmt, terms, nullptr,
                            static_cast<int64_t*>(v.out) + i * LDET_WORDS);
       } else {
@@ -187,7 +199,7 @@ void combine_rows(const CombineView& v, int64_t b, int64_t e) {
 template <int DC = kMaxDiagonals>
 void combine_rows_for(const CombineView& v, int64_t b, int64_t e) {
   if constexpr (DC >= 1) {
-    if (v.nch == 1 && v.D == DC) return combine_rows<DC>(v, b, e);
+    if (v.moduli == 0 && v.nch == 1 && v.D == DC) return combine_rows<DC>(v, b, e);
     return combine_rows_for<DC - 1>(v, b, e);
   } else {
     combine_rows<0>(v, b, e);
@@ -196,7 +208,7 @@ void combine_rows_for(const CombineView& v, int64_t b, int64_t e) {
 
 at::Tensor combine_cpu(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOperand& x, const SliceOperand& w,
                        const at::Tensor& bias, int64_t D, int64_t bits, bool wide, const WideCheck& check,
-                       bool digits, at::ScalarType out_dtype) {
+                       bool digits, at::ScalarType out_dtype, int64_t moduli) {
   if (check.sums != nullptr)  // the summaries are host memory here
     wide = slices_wide(check.sums, check.sums + kSumLen, check.Sx, check.Sw, check.nch, check.Kc, int(bits));
   const int64_t P = C.size(0), Mp = C.size(1), Ncp = C.size(2);
@@ -204,8 +216,8 @@ at::Tensor combine_cpu(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOp
   at::Tensor out = digits ? uninit({M, Nv, LDET_WORDS}, C.options().dtype(at::kLong))  // every output written
                           : uninit({M, Nv}, C.options().dtype(out_dtype));
   const at::Tensor shw_c = w.sh.contiguous();
-  const CombineView v{C.data_ptr<int32_t>(), Mp * Ncp, Ncp, Nv, D > 0 ? int(P / D) : 0, int(D), int(bits), fmt,
-                      wide, digits, x.sh.data_ptr<int32_t>(), shw_c.data_ptr<int32_t>(), residues_of(x),
+  const CombineView v{C.data_ptr<int32_t>(), Mp * Ncp, Ncp, Nv, D > 0 && moduli == 0 ? int(P / D) : 0, int(D),
+                      int(bits), fmt, int(moduli), wide, digits, x.sh.data_ptr<int32_t>(), shw_c.data_ptr<int32_t>(), residues_of(x),
                       residues_of(w), elems_of(x.a), elems_of(w.a), bias.defined() ? bias.data_ptr<double>() : nullptr,
                       out.data_ptr()};
   at::parallel_for(0, M, 8, [&](int64_t b, int64_t e) { combine_rows_for(v, b, e); });
@@ -279,7 +291,9 @@ const SliceBackend& slice_backend_cpu() {
                                // multiply-adds a second on two (NOTES "Session 7")
                                2000.0, 0,
                                // plans from this call's summaries: nothing to gain from guesses
-                               false};
+                               false,
+                               // the CRT route (crt.h): only where a path forces it, until measured
+                               true, std::numeric_limits<double>::infinity()};
   return be;
 }
 

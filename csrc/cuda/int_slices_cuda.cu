@@ -282,8 +282,10 @@ at::Tensor row_needs_cuda(const at::Tensor& a, int64_t bits, at::Tensor& sum) {
   return out;
 }
 
+// moduli: always 0 here (SliceBackend::crt_route is false: no remainder kernels yet)
 SliceOperand make_slices_cuda(const at::Tensor& a, const at::Tensor& needs, int64_t S, int64_t bits, bool reverse,
-                              int64_t Kc, int64_t nch, int64_t Rp, bool residues, const at::Tensor& left) {
+                              int64_t Kc, int64_t nch, int64_t Rp, bool residues, const at::Tensor& left,
+                              int64_t /*moduli*/) {
   const int64_t R = a.size(0), K = a.size(1), width = nch * S * Kc;
   SliceOperand so = new_slice_operand(a, Rp, width, residues, /*zero_fill=*/false);
   if (S == 0) {  // never a guessed plan (those have S >= 1): `left` needs no rows here
@@ -320,7 +322,7 @@ KernelOperand kernel_operand(const SliceOperand& o, const at::Tensor& sh_c) {
 
 at::Tensor combine_cuda(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOperand& x, const SliceOperand& w,
                         const at::Tensor& bias, int64_t D, int64_t bits, bool wide_ok, const WideCheck& check,
-                        bool digits, at::ScalarType out_dtype) {
+                        bool digits, at::ScalarType out_dtype, int64_t /*moduli: 0, as make_slices_cuda*/) {
   const int fmt = out_format(out_dtype);
   // every output: by the 128-bit kernel, or listed (or all, past the list) for combine_rest_kernel
   at::Tensor out = digits ? uninit({M, Nv, LDET_WORDS}, C.options().dtype(at::kLong))
@@ -414,7 +416,9 @@ const SliceBackend& slice_backend_cuda() {
                                // synchronization per GEMM) measured no faster in the det_ddp step,
                                // which is host-bound, and a stale guess costs a slow call (NOTES
                                // "Session 9"); slices_guess("cached") turns them on
-                               false};
+                               false,
+                               // no remainder kernels yet (crt.h): the diagonals only
+                               false, 0.0};
   return be;
 }
 

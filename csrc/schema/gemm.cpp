@@ -13,10 +13,13 @@ namespace {
 std::atomic<int> g_gemm_path{kPathAuto};
 
 // Sets the route every gemm / gemm_partial takes from now on (0 auto, 1 the long-accumulator
-// kernel only, 2 the integer slices wherever they apply); returns the previous one. Every route
-// gives the same bytes: the switch exists for tests and benchmarks.
+// kernel only, 2 the integer slices wherever they apply, 3 / 4 the slices with their diagonals /
+// residues forced: int_slices_host.h); returns the previous one. Every route gives the same
+// bytes: the switch exists for tests and benchmarks.
 int64_t set_gemm_path(int64_t path) {
-  TORCH_CHECK(path >= kPathAuto && path <= kPathSlices, "path: expected 0 (auto), 1 (kernel) or 2 (slices), got ", path);
+  TORCH_CHECK(path >= kPathAuto && path <= kPathSlicesCrt,
+              "path: expected 0 (auto), 1 (kernel), 2 (slices), 3 (slices, diagonals) or 4 (slices, CRT), got ",
+              path);
   return g_gemm_path.exchange(int(path));
 }
 
@@ -44,8 +47,8 @@ std::array<int64_t, 2> slices_guess_mode() {
 
 int gemm_path() { return g_gemm_path.load(std::memory_order_relaxed); }
 
-std::array<int64_t, 6>& last_slices_plan() {
-  thread_local std::array<int64_t, 6> plan{};
+std::array<int64_t, 7>& last_slices_plan() {
+  thread_local std::array<int64_t, 7> plan{};
   return plan;
 }
 

@@ -132,7 +132,7 @@ def det_gemm(
     return y.reshape(*lead, w.shape[0])
 
 
-_GEMM_PATHS = {"auto": 0, "kernel": 1, "slices": 2}
+_GEMM_PATHS = {"auto": 0, "kernel": 1, "slices": 2, "slices_diagonals": 3, "slices_crt": 4}
 
 
 @contextlib.contextmanager
@@ -144,7 +144,11 @@ def gemm_path(path: str) -> Iterator[None]:
         path: ``"auto"`` (the default outside any block: integer slices where they pay, else the
             long-accumulator kernel), ``"kernel"`` (the long-accumulator kernel only) or
             ``"slices"`` (int8 slice GEMMs whenever the inputs allow; rows they cannot hold
-            exactly still go to the kernel).
+            exactly still go to the kernel), ``"slices_diagonals"`` / ``"slices_crt"``
+            (the slices, their products formed by one GEMM per diagonal of slice pairs, or by
+            one GEMM per modulus of a residue number system (Chinese remainder theorem) where the device has that route
+            and the moduli cover the products: CPU only so far; :func:`last_slices_plan`
+            says which ran).
 
     Every path returns the same bytes (the exact sum rounded once); the switch exists so tests and
     benchmarks can compare them. Not thread-safe: it sets one process-wide route.
@@ -205,12 +209,13 @@ def last_slices_plan() -> dict:
 
     Returns a dict: ``slices_x``, ``slices_w`` (int8 digits per value of x and of w),
     ``residues_x``, ``residues_w`` (values kept out of the digits, whose products the combine adds
-    exactly, csrc/int_slices.h) and ``kernel_rows_x``, ``kernel_rows_w`` (rows left to the
-    long-accumulator kernel). All zeros before any such call; -1 for the four counts after a
+    exactly, csrc/int_slices.h), ``kernel_rows_x``, ``kernel_rows_w`` (rows left to the
+    long-accumulator kernel) and ``moduli`` (int8 GEMMs of the CRT route, csrc/crt.h; 0: one
+    GEMM per diagonal of slice pairs). All zeros before any such call; -1 for the four counts after a
     guessed plan (:func:`slices_guess`), which does not wait for them. For tests and benchmarks:
     the bytes of a result never depend on it.
     """
-    keys = ("slices_x", "slices_w", "residues_x", "residues_w", "kernel_rows_x", "kernel_rows_w")
+    keys = ("slices_x", "slices_w", "residues_x", "residues_w", "kernel_rows_x", "kernel_rows_w", "moduli")
     return dict(zip(keys, (int(v) for v in _ops().last_slices_plan())))
 
 

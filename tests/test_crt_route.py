@@ -1,0 +1,191 @@
+"""The slices' CRT route (csrc/crt.h): the products' integer from its remainders modulo a few
+int8-sized moduli, one int8 GEMM per modulus. It must give the long-accumulator kernel's bytes
+everywhere, use the fewest moduli that cover the products (checked against an independent Python
+count), fail without the last one on data at the bound (the bound has teeth), and step aside where
+the int32 sums or the 128-bit reconstruction could not hold (the diagonals then run).
+
+The CUDA backend has no remainder kernels yet: these tests run on the CPU backend.
+"""
+import math
+
+import pytest
+import torch
+from conftest import assert_bitwise, seven_bit_digits_gemm
+
+import gen
+from lightning_det.ops import det_gemm, det_gemm_partial, gemm_path, last_slices_plan, slices_guess
+
+OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+INT32_MAX = 2**31 - 1
+
+
+def crt_moduli_py(bits: int):
+    """The moduli, independently: pairwise coprime, greedy from 2^bits down, at most 15."""
+    ms = []
+    for c in range(2**bits, 2, -1):
+        if all(math.gcd(c, m) == 1 for m in ms):
+            ms.append(c)
+        if len(ms) == 15:
+            break
+    return ms
+
+
+def moduli_needed_py(K: int, sx: int, sw: int, bits: int) -> int:
+    """Fewest moduli whose product is >= 2^(B + 1), |P| < 2^B = K 2^(bits sx - 2) 2^(bits sw - 2)."""
+    B = math.ceil(math.log2(K)) + bits * (sx + sw) - 4
+    prod = 1
+    for q, m in enumerate(crt_moduli_py(bits), 1):
+        prod *= m
+        if prod >= 2 ** (B + 1):
+            return q
+    return 0
+
+
+def garner_py(P: int, moduli):
+    """P's symmetric reconstruction from its remainders modulo `moduli` (Python integers)."""
+    M = math.prod(moduli)
+    x = 0
+    for m in moduli:  # plain CRT, independent of the kernel's Garner order
+        Mi = M // m
+        x += (P % m) * Mi * pow(Mi, -1, m)
+    x %= M
+    return x - M if x >= (M + 1) // 2 else x
+
+
+def slice_bits() -> int:
+    """The digit width this machine's CPU backend uses (8, or 7 without VNNI): values 1 + 2^-13
+    span 14 bits, 2 slices of 8 bits (3 + 14 <= 16 + ...) but 3 of 7 (int_slices.h, slices_needed)."""
+    x = torch.full((4, 64), 1 + 2.0**-13)
+    with gemm_path("slices_crt"):
+        det_gemm(x, x)
+        s = last_slices_plan()["slices_x"]
+    assert s in (2, 3), f"1 + 2^-13 took {s} slices"
+    return 8 if s == 2 else 7
+
+
+def run_routes(x, w, bias=None, out_dtype=torch.float32):
+    """(kernel, diagonals, crt) results and the CRT call's plan."""
+    res = {}
+    for route in ("kernel", "slices_diagonals", "slices_crt"):
+        with gemm_path(route):
+            res[route] = (det_gemm(x, w, bias, out_dtype=out_dtype), det_gemm_partial(x, w, bias))
+            if route == "slices_crt":
+                plan = last_slices_plan()
+    return res, plan
+
+
+def assert_routes_agree(x, w, bias=None, what=""):
+    for od in OUT_DTYPES:
+        res, plan = run_routes(x, w, bias, od)
+        for route in ("slices_diagonals", "slices_crt"):
+            assert_bitwise(res[route][0], res["kernel"][0], f"{what} -> {od}: {route} vs kernel")
+            assert torch.equal(res[route][1], res["kernel"][1]), f"{what}: {route} digits vs kernel"
+    return plan
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float16])
+def test_crt_route_runs_with_fewer_gemms_and_the_kernels_bytes(dt):
+    x, w = gen.normal((64, 700), dt, 51), gen.normal((48, 700), dt, 52)
+    plan = assert_routes_agree(x, w, gen.normal((48,), torch.float32, 53), f"{dt} normal")
+    assert plan["moduli"] == moduli_needed_py(700, plan["slices_x"], plan["slices_w"], slice_bits()), plan
+    if dt == torch.float32:  # the point of the route: fewer int8 GEMMs than slice pairs
+        assert 0 < plan["moduli"] < plan["slices_x"] * plan["slices_w"], plan
+    # control: an ordinary fp32 matmul is not the exactly rounded result here
+    with gemm_path("slices_crt"):
+        exact = det_gemm(x.float(), w.float())
+    assert not torch.equal(x.float() @ w.float().T, exact)
+
+
+def test_products_at_their_bound_need_every_modulus():
+    # Every element 1 + 2^-6 (x) and -(2 - 2^-23) (w): rows without spread, so the window integers
+    # sit just below their bound and P = K X W is within a factor (1 - 2^-23) of 2^B. The plan's
+    # moduli must be the independent count, the result exact, and one modulus fewer must not
+    # reconstruct P (the count is tight here, so the bound matters).
+    K = 4096
+    x = torch.full((3, K), 1 + 2.0**-6)
+    w = torch.full((2, K), -(2 - 2.0**-23))
+    x[1] = -x[1]  # both signs of P
+    plan = assert_routes_agree(x, w, what="products at the bound")
+    bits = slice_bits()
+    q = moduli_needed_py(K, plan["slices_x"], plan["slices_w"], bits)
+    assert plan["moduli"] == q > 0, plan
+    # P from the operands' window integers (int_slices.h, step 1: sh = bits S - 3 - hi)
+    X = int((1 + 2.0**-6) * 2.0 ** (bits * plan["slices_x"] - 3))
+    W = -int((2 - 2.0**-23) * 2.0 ** (bits * plan["slices_w"] - 3))
+    P = K * X * W
+    moduli = crt_moduli_py(bits)
+    B = math.ceil(math.log2(K)) + bits * (plan["slices_x"] + plan["slices_w"]) - 4
+    assert abs(P) < 2**B and abs(P) > 2 ** (B - 2), "the data should sit near the bound"
+    assert garner_py(P, moduli[:q]) == P and garner_py(-P, moduli[:q]) == -P
+    # the control: one modulus fewer cannot cover this P (true for 8- and 7-bit digits alike)
+    assert math.prod(moduli[: q - 1]) <= 2 * abs(P)
+    assert garner_py(P, moduli[: q - 1]) != P
+
+
+def test_int32_bound_of_the_remainder_sums():
+    # x = w = 1 + 2^-(bits - 2) at S = 2: every window integer is 2^(2 bits - 3) + 2^(bits - 1),
+    # so every remainder modulo 2^bits is -2^(bits - 1) and C_0 = K 2^(2 bits - 2): the largest
+    # int32 sum there is. K = (2^31 - 1) >> (2 bits - 2) is the last K the route takes; one more
+    # and it steps aside for the diagonals.
+    bits = slice_bits()
+    v = 1 + 2.0 ** -(bits - 2)
+    k_max = INT32_MAX >> (2 * bits - 2)
+    for K, crt in ((k_max, True), (k_max + 1, False)):
+        x = torch.full((2, K), v)
+        plan = assert_routes_agree(x, x.clone(), what=f"K = {K}")
+        assert plan["slices_x"] == plan["slices_w"] == 2, plan
+        assert (plan["moduli"] > 0) == crt, f"K = {K}: {plan}"
+    X = int(v * 2.0 ** (2 * bits - 3))
+    assert X % 2**bits == 2 ** (bits - 1), "the remainders modulo 2^bits should be -2^(bits-1)"
+    assert k_max * 2 ** (2 * bits - 2) <= INT32_MAX < (k_max + 1) * 2 ** (2 * bits - 2)
+
+
+def test_digits_route_of_the_reconstructed_integer():
+    # a bias far below the products' grid cannot join the 128-bit sum: every output takes the
+    # digits, with P entering them in 32-bit limbs (int_slices.h, combine_output_value)
+    x, w = gen.normal((16, 300), torch.float32, 54), gen.normal((12, 300), torch.float32, 55)
+    bias = torch.full((12,), 2.0**-120) * torch.arange(1, 13)
+    assert assert_routes_agree(x, w, bias, "bias below the grid")["moduli"] > 0
+
+
+def test_wide_and_out_of_range_rows_with_crt():
+    # rows at scales 2^-30 .. 2^30, a NaN, an inf, a zero row: rows the slices cannot hold go to
+    # the kernel, the others through the CRT route
+    g = torch.Generator().manual_seed(56)
+    x = torch.randn(40, 96, generator=g) * torch.exp2(torch.randint(-30, 30, (40, 1), generator=g).float())
+    w = torch.randn(24, 96, generator=g) * torch.exp2(torch.randint(-6, 6, (24, 96), generator=g).float())
+    x[5, 7], x[9], w[6, 3] = float("nan"), 0.0, float("inf")
+    assert assert_routes_agree(x, w, gen.normal((24,), torch.float32, 57), "wide rows")["moduli"] > 0
+
+
+def test_guessed_slice_counts_with_crt():
+    # a fixed guess too small for some rows: they are zero rows in the remainder planes and their
+    # outputs are recomputed exactly (exact_rows); the rest through the CRT route
+    x, w = gen.normal((30, 200), torch.float32, 58), gen.normal((20, 200), torch.float32, 59)
+    x[3, ::7] *= 2.0**-20
+    with gemm_path("kernel"):
+        want = det_gemm(x, w)
+    with slices_guess((3, 3)), gemm_path("slices_crt"):
+        got = det_gemm(x, w)
+        assert last_slices_plan()["moduli"] > 0
+    assert_bitwise(got, want, "guessed (3, 3) with the CRT route")
+
+
+def test_crt_route_with_seven_bit_digits():
+    # machines without VNNI use 7-bit digits and remainders (moduli <= 128); run that branch in a
+    # fresh process and compare with this process's kernel
+    x, w, b = gen.normal((30, 200), torch.float32, 60), gen.normal((20, 200), torch.float32, 61), gen.normal((20,), torch.float32, 62)
+    with gemm_path("kernel"):
+        want = det_gemm_partial(x, w, b)
+    assert torch.equal(seven_bit_digits_gemm("slices_crt", (60, 61, 62), "plan['moduli'] > 0"), want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_has_no_crt_route_yet_and_keeps_the_diagonals():
+    # the path asks for CRT; the CUDA backend has no remainder kernels, so its diagonals run
+    x, w = gen.normal((64, 300), torch.float32, 63).cuda(), gen.normal((48, 300), torch.float32, 64).cuda()
+    with gemm_path("slices_crt"):
+        got = det_gemm(x, w)
+        assert last_slices_plan()["moduli"] == 0
+    with gemm_path("kernel"):
+        assert_bitwise(got.cpu(), det_gemm(x, w).cpu(), "cuda slices_crt vs kernel")
