@@ -10,7 +10,9 @@ x_log2_span, w_log2_span}.
 The baseline is torch.mm in the same dtype (fp32 with TF32 off); fp32_mm_tflops is torch.mm in
 fp32 on the same shape, the yardstick of the performance issue. ours_* is det_gemm as users get it
 (route "auto"); kernel_* and slices_* time each exact route on its own (lightning_det.ops.gemm_path),
-and routes_same_bytes checks that all three returned the same bits on these operands.
+crt_* the slices with one int8 GEMM per CRT modulus (csrc/crt.h; crt_moduli 0: the device has no
+such kernels and the diagonals ran), and routes_same_bytes checks that all of them returned the
+same bits on these operands.
 
 Data kinds (--data), each an (M, K) x and an (N, K) w for det_gemm(x, w) = x @ w.T:
   normal  torch.randn, seeds 1 and 2 (fp32 and bf16).
@@ -80,15 +82,16 @@ def bench(device, x, w, dtype, kind, source, repeat):
     flops = 2.0 * M * N * K
     ours = time_fn(lambda: det_gemm(x, w), device, warmup=1, repeat=repeat)
     # each exact route on its own, and the proof that they agree on these operands
-    routes, outs = {}, {"auto": det_gemm(x, w)}
-    for route in ("kernel", "slices"):
+    routes, outs, plans = {}, {"auto": det_gemm(x, w)}, {}
+    for route in ("kernel", "slices", "slices_crt"):
         with gemm_path(route):
             routes[route] = time_fn(lambda: det_gemm(x, w), device, warmup=1, repeat=repeat)
             outs[route] = det_gemm(x, w)
-            if route == "slices":
+            if route.startswith("slices"):
                 with slices_guess("sync"):  # how the slices cut these operands (a guessed plan has no counts)
                     det_gemm(x, w)
-                    plan = last_slices_plan()
+                    plans[route] = last_slices_plan()
+    plan, crt_moduli = plans["slices"], plans["slices_crt"]["moduli"]
     same = all(torch.equal(outs[r].view(torch.int32), outs["kernel"].view(torch.int32)) for r in outs)
     base = time_fn(lambda: torch.mm(x, w.T), device, warmup=2, repeat=max(repeat, 5))
     xf, wf = x.float(), w.float()
@@ -102,13 +105,17 @@ def bench(device, x, w, dtype, kind, source, repeat):
         "kernel_tflops": flops / routes["kernel"] / 1e12, "slices_tflops": flops / routes["slices"] / 1e12,
         "kernel_ratio_vs_fp32_mm": fp32 / routes["kernel"], "slices_ratio_vs_fp32_mm": fp32 / routes["slices"],
         "routes_same_bytes": same, "slices_plan": plan,
+        # the CRT route (csrc/crt.h): one int8 GEMM per modulus; 0 moduli: the device has no such
+        # kernels (CUDA so far) and the diagonals ran
+        "crt_moduli": crt_moduli, "crt_ratio_vs_fp32_mm": fp32 / routes["slices_crt"],
     }
     what = f"{kind} {source['layer']} {source['gemm']}" if kind == "real" else kind
     print(f"{row['op']:9s} {row['dtype']:9s} {what:28s} {M:5d}x{N:5d}x{K:5d}  ours {row['ours_tflops']:9.4f} TF/s  "
           f"torch.mm {row['baseline_tflops']:9.3f}  ratio {row['ratio']:.4f}  vs fp32 mm {row['ratio_vs_fp32_mm']:.4f}  "
           f"(kernel {row['kernel_ratio_vs_fp32_mm']:.4f}, slices {row['slices_ratio_vs_fp32_mm']:.4f}, "
           f"same bytes {same}; slices {plan['slices_x']}x{plan['slices_w']}, "
-          f"residues {plan['residues_x']}/{plan['residues_w']})",
+          f"residues {plan['residues_x']}/{plan['residues_w']}; crt {row['crt_ratio_vs_fp32_mm']:.4f} with "
+          f"{crt_moduli} moduli)",
           flush=True)
     return row
 
