@@ -5,9 +5,9 @@
 // P = sum_k X_k W_k (X, W the rows' window integers), is below 2^B with B = ceil_log2(K) +
 // bits (Sx + Sw) - 4. Its remainders modulo Q pairwise coprime moduli m_t <= 2^bits determine it
 // once prod m_t > 2^(B+1): Q int8 GEMMs of the remainder planes r_t(X) . r_t(W), each exact in int32
-// while K 2^(2 bits - 2) < 2^31, give P mod m_t, and Garner's mixed-radix reconstruction gives P.
+// while K 2^(2 bits - 2) < 2^31, give P mod m_t, and the explicit CRT reconstruction gives P.
 // For fp32 at S = 5, K = 4096 and 8-bit digits: 12 GEMMs instead of 25 (benchmarks/NOTES.md,
-// session 11, has the costs; the reconstruction is ~Q^2/2 modular multiply-adds per output).
+// session 11, has the costs; the reconstruction is O(Q) multiply-adds per output).
 //
 // Remainders are symmetric, r in [-2^(bits-1), 2^(bits-1)): the same int8 range the balanced digits
 // use, so the same int8 GEMM stays exact (bits = 7 where it could saturate 16-bit pair sums).
@@ -25,16 +25,21 @@
 
 namespace ldet {
 
-constexpr int kCrtMax = 15;  // moduli at most: their product stays below 2^127 (u128 Garner)
+constexpr int kCrtMax = 15;  // moduli at most: 15 M < 2^122 (the reconstruction's S, in 128 bits)
 
 // Pairwise coprime moduli <= 2^bits, largest first (their product grows fastest).
 struct CrtTable {
   int count;
   int64_t m[kCrtMax];
-  int64_t inv[kCrtMax][kCrtMax];  // inv[i][j] = m_j^-1 mod m_i, j < i (Garner's constants)
-  u128 prod[kCrtMax + 1];  // prod[q] = m_0 ... m_(q-1)
+  u128 prod[kCrtMax + 1];  // prod[q] = M_q = m_0 ... m_(q-1)
+  // The reconstruction's constants for the first q moduli (crt_value): cof[q][t] = M_q / m_t and
+  // cinv[q][t] = (M_q / m_t)^-1 mod m_t.
+  u128 cof[kCrtMax + 1][kCrtMax];
+  uint32_t cinv[kCrtMax + 1][kCrtMax];
+  double rinv[kCrtMax];    // 1 / m_t, rounded: the quotient's estimate
   uint64_t fm[kCrtMax];    // fastmod's constants: 2^64 / m_t rounded up
-  uint32_t p32[kCrtMax];   // 2^32 mod m_t
+  uint32_t sm[kCrtMax];    // mod_small's constants: 2^32 / m_t rounded up
+  uint32_t pw[kCrtMax][kSliceMax];  // 2^(bits s) mod m_t: a slice's weight
 };
 
 inline int64_t crt_mod(int64_t v, int64_t m) {  // the table's set-up and the reference only
@@ -80,15 +85,20 @@ inline CrtTable make_crt_table(int bits) {
     for (int i = 0; i < t.count && ok; ++i) ok = crt_gcd(c, t.m[i]) == 1;
     if (ok) t.m[t.count++] = c;
   }
-  for (int i = 0; i < t.count; ++i)
-    for (int j = 0; j < i; ++j) t.inv[i][j] = crt_inverse(t.m[j], t.m[i]);
   t.prod[0] = 1;
   for (int q = 1; q <= t.count; ++q) t.prod[q] = t.prod[q - 1] * u128(t.m[q - 1]);
+  for (int q = 1; q <= t.count; ++q) {
+    for (int i = 0; i < q; ++i) {
+      t.cof[q][i] = t.prod[q] / u128(t.m[i]);
+      t.cinv[q][i] = uint32_t(crt_inverse(int64_t(t.cof[q][i] % u128(t.m[i])), t.m[i]));
+    }
+  }
   for (int i = 0; i < t.count; ++i) {
-    // crt_value's 2 m_i bound needs every modulus above half the largest
-    if (2 * t.m[i] <= t.m[0]) throw std::logic_error("crt table: a modulus below half the largest");
+    if (2 * t.m[i] <= (int64_t(1) << bits)) throw std::logic_error("crt table: a modulus at or below 2^(bits-1)");
+    t.rinv[i] = 1.0 / double(t.m[i]);
     t.fm[i] = UINT64_MAX / uint64_t(t.m[i]) + 1;
-    t.p32[i] = uint32_t((uint64_t(1) << 32) % uint64_t(t.m[i]));
+    t.sm[i] = uint32_t(UINT32_MAX / uint32_t(t.m[i]) + 1);
+    for (int s = 0; s < kSliceMax; ++s) t.pw[i][s] = uint32_t((u128(1) << (bits * s)) % u128(t.m[i]));
   }
   return t;
 }
@@ -112,41 +122,61 @@ inline int crt_moduli_needed(int64_t K, int Sa, int Sb, int bits) {
   return 0;
 }
 
-// |X| mod m_t for |X| < 2^62: (hi 2^32 + lo) mod m from the two 32-bit halves.
-inline uint32_t crt_abs_mod(uint64_t u, const CrtTable& t, int i) {
-  const uint32_t m = uint32_t(t.m[i]);
-  const uint32_t hi = fastmod(uint32_t(u >> 32), t.fm[i], m), lo = fastmod(uint32_t(u), t.fm[i], m);
-  return fastmod(hi * t.p32[i] + lo, t.fm[i], m);  // < 2^16 + 2^8: 32 bits hold it
+// a mod m for a < 2^20 and m <= 2^8, with c = 2^32 / m rounded up: the quotient (a c) >> 32 is
+// exact while a m < 2^32 (its error a (c - 2^32/m) / 2^32 < a / 2^32 stays below the distance
+// 1/m from a/m to the next integer), so one 32 x 32 -> 64 multiply and a multiply-subtract.
+inline uint32_t mod_small(uint32_t a, uint32_t m, uint32_t c) {
+  return a - uint32_t((uint64_t(a) * c) >> 32) * m;
 }
 
-// The symmetric remainder of X (|X| < 2^62) modulo m_t, in [-(m_t/2), m_t/2) rounded toward the
-// int8 range: [-2^(bits-1), 2^(bits-1)) for every m_t <= 2^bits.
-inline int8_t crt_remainder(int64_t X, const CrtTable& t, int i) {
-  const int64_t m = t.m[i];
-  int64_t r = crt_abs_mod(uint64_t(X < 0 ? -X : X), t, i);
-  if (X < 0 && r != 0) r = m - r;
-  return int8_t(r >= (m + 1) / 2 ? r - m : r);
+// The remainder planes of one row: for each of its K integers with balanced digits d[s * K + k]
+// (X = sum_s d_s 2^(bits s), |d_s| <= 2^(bits-1)), the symmetric remainder modulo m_t into
+// out[t * stride + k], t < Q. sum_s d_s (2^(bits s) mod m_t) has |.| < 8 2^(bits-1) 2^bits; adding
+// m_t 2^11 (> 2^(bits + 10): every modulus is above 2^(bits-1), bits <= 8) makes it non-negative
+// and below 2^20 for mod_small; the result then moves into [-(m_t/2), m_t/2), inside the digits'
+// int8 range. The loop over k has no dependences: the compiler vectorizes it.
+inline void crt_remainder_planes(const int8_t* d, int64_t K, int S, int Q, const CrtTable& t, int8_t* out,
+                                 int64_t stride) {
+  for (int i = 0; i < Q; ++i) {
+    const uint32_t m = uint32_t(t.m[i]), c = t.sm[i], half = (m + 1) / 2;
+    const int32_t off = int32_t(m << 11);
+    int8_t* o = out + i * stride;
+    for (int64_t k = 0; k < K; ++k) {
+      int32_t sum = off;
+      for (int s = 0; s < S; ++s) sum += int32_t(d[s * K + k]) * int32_t(t.pw[i][s]);
+      const uint32_t r = mod_small(uint32_t(sum), m, c);
+      o[k] = int8_t(r >= half ? int32_t(r) - int32_t(m) : int32_t(r));
+    }
+  }
 }
 
-// P from its Q int32 remainder sums c[t * pstride] (t < Q): Garner's mixed-radix digits, then
-// P = a_0 + m_0 (a_1 + m_1 (a_2 + ...)) in [0, M), moved to [-M/2, M/2).
+// P from its Q int32 remainder sums c[t * pstride] (t < Q), by the explicit CRT: with r_t = c_t
+// mod m_t and y_t = r_t (M/m_t)^-1 mod m_t, S = sum_t y_t M/m_t is congruent to P modulo M and
+// below Q M, and S / M = sum_t y_t / m_t. So P = S - k M with k the integer nearest that sum:
+// estimated in fp64 (error below Q 2^-50, far under 1/2), then the exact 128-bit fix-up moves the
+// result into [-M/2, M/2), where |P| < M/2 lies (crt_moduli_needed). O(Q) work per output, where
+// Garner's mixed radix took Q^2/2 dependent remainders (NOTES, session 11).
 inline i128 crt_value(const int32_t* c, int64_t pstride, int Q, const CrtTable& t) {
-  uint32_t a[kCrtMax];
+  u128 S = 0;
+  double f = 0.0;
   for (int i = 0; i < Q; ++i) {
     const uint32_t mi = uint32_t(t.m[i]);
     const int32_t ci = c[i * pstride];
     // |ci| < 2^31: its magnitude's remainder, negated for a negative sum
-    uint32_t v = fastmod(ci < 0 ? uint32_t(-int64_t(ci)) : uint32_t(ci), t.fm[i], mi);
-    if (ci < 0 && v != 0) v = mi - v;
-    // (v - a_j) inv mod m_i; + 2 m_i keeps it non-negative (a_j < m_j <= 2^bits <= 2 m_i: every
-    // modulus of a table is above half its largest) and below 3 * 2^8 * 2^8
-    for (int j = 0; j < i; ++j) v = fastmod((v + 2 * mi - a[j]) * uint32_t(t.inv[i][j]), t.fm[i], mi);
-    a[i] = v;
+    uint32_t r = fastmod(ci < 0 ? uint32_t(-int64_t(ci)) : uint32_t(ci), t.fm[i], mi);
+    if (ci < 0 && r != 0) r = mi - r;
+    const uint32_t y = mod_small(r * t.cinv[Q][i], mi, t.sm[i]);  // both below 2^8
+    S += t.cof[Q][i] * y;  // each term below M: S < Q M < 2^122
+    f += double(y) * t.rinv[i];
   }
-  u128 P = 0;
-  for (int i = Q - 1; i >= 0; --i) P = P * u128(t.m[i]) + u128(a[i]);
   const u128 M = t.prod[Q];
-  return P >= M - M / 2 ? i128(P) - i128(M) : i128(P);  // M - M/2 = ceil(M/2)
+  i128 P = i128(S) - i128(M) * i128(uint64_t(f + 0.5));
+  // The estimate can miss only where S / M lies within ~2^-47 of a half-integer, i.e. |P| within
+  // 2^-46 of M/2: then k is one off and one of these moves P back (no test data reaches them;
+  // they keep the result exact regardless of the estimate, |P| < 3/2 M before them).
+  if (2 * P >= i128(M)) P -= i128(M);
+  if (2 * P < -i128(M)) P += i128(M);
+  return P;
 }
 
 }  // namespace ldet

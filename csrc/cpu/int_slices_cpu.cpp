@@ -100,6 +100,7 @@ SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "make_slices_cpu", [&] {
     const scalar_t* p = a.data_ptr<scalar_t>();
     at::parallel_for(0, R, 16, [&](int64_t b, int64_t e) {
+      std::vector<int8_t> dig(moduli > 0 ? S * K : 0);  // the CRT route: a row's digits, slice-major
       for (int64_t r = b; r < e; ++r) {
         const int need = nd[3 * r + 1];
         if (need == 0 || need > S) continue;  // zero row, or left to the long-accumulator kernel
@@ -112,8 +113,8 @@ SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64
           for (int64_t k = c * Kc, kk = 0; k < std::min(K, (c + 1) * Kc); ++k, ++kk) {
             const double v = static_cast<double>(p[r * K + k]);
             const int64_t X = window_integer(v, s);
-            if (moduli > 0) {  // the CRT route (crt.h): plane t at columns [t * Kc, +Kc)
-              for (int64_t t = 0; t < moduli; ++t) o[r * width + t * Kc + k] = crt_remainder(X, crt, int(t));
+            if (moduli > 0) {  // the CRT route (crt.h): digits first, remainder planes below
+              slice_integer(X, int(S), int(bits), dig.data() + k, K);
             } else {
               slice_integer(X, int(S), int(bits), base + kk, step);
             }
@@ -125,6 +126,8 @@ SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64
             }
           }
         }
+        if (moduli > 0)  // plane t at columns [t * Kc, +Kc) (nch == 1)
+          crt_remainder_planes(dig.data(), K, int(S), int(moduli), crt, o + r * width, Kc);
         if (residues) {
           rc[r] = nres;
           Fo[r] = nres > 0 ? (nd[3 * r] + 3 - int(bits * S)) - nd[3 * r + 2] : 0;
