@@ -18,7 +18,9 @@
 //      and every product of two, is still an integer number of 2^-298 digit units.
 //   3. For each diagonal d = i + j, C_d = sum_{i+j=d} X_i . W_j is ONE int8 GEMM over the
 //      concatenated K-blocks of the slices (x's slices in order, w's reversed), exact in int32
-//      while pairs * K * 2^(2 bits - 2) < 2^31 (the host splits K to keep it so).
+//      while pairs * K * 2^(2 bits - 2) < 2^31 (the host splits K to keep it so). Or (csrc/crt.h)
+//      the same integer sum_d C_d 2^(bits d) = sum_k X_k W_k from Q int8 GEMMs of its remainders
+//      modulo pairwise coprime moduli (CPU only so far).
 //   4. Per output: x.w = x3.w3 + sum_k xr w + sum_k x3 wr (x = x3 + xr, w = w3 + wr: the
 //      truncated values and the residues). The first is sum_d C_d 2^(bits*d - sh_x[m] - sh_w[n]);
 //      each residue term is one exact fp64 product (both factors hold at most 24 bits). With
@@ -337,7 +339,7 @@ LDET_HD u128 diagonal_sum(const int32_t* c, int64_t pstride, int nch, int D, int
 }
 
 // The 128-bit route of one rounded output: T, the product sums' integer in units of 2^E (the
-// diagonals' sum, or the residues' reconstruction: crt.h), the residue terms and the bias (may be
+// diagonals' sum, or its reconstruction from remainders: crt.h), the residue terms and the bias (may be
 // null), rounded once to fmt into *out_val. F: bits the output's residues reach below 2^E. The
 // caller proved the sum in units of 2^(E - F) stays below 2^126 (the host's `wide`). Returns
 // false, leaving the output to the digits, when the bias or a term is not an integer number of

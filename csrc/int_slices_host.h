@@ -161,8 +161,8 @@ struct SliceBackend {
   // Whether slice GEMMs plan from cached guesses unless told otherwise (set_slices_guess).
   bool guess_by_default;
   // The CRT route (crt.h): whether make_slices / combine take moduli > 0, and the cost of one
-  // output's reconstruction per modulus squared, in int8 multiply-adds (the auto choice weighs
-  // Q GEMMs plus that against Sx * Sw GEMMs; infinity: only where a path forces it).
+  // output's reconstruction per modulus, in int8 multiply-adds (the auto choice weighs Q GEMMs
+  // plus that against Sx * Sw GEMMs; infinity: only where a path forces it).
   bool crt_route;
   double crt_output_macs;
 };
@@ -326,13 +326,13 @@ inline SlicePlan plan_from_summaries(const int32_t* sx, const int32_t* sw, int64
 // else where the backend has the route and Q GEMMs plus the reconstruction cost less than the
 // diagonals' Sx * Sw GEMMs.
 inline int64_t crt_moduli(const SliceBackend& be, int mode, int64_t M, int64_t N, int64_t K, int64_t Sx,
-                              int64_t Sw) {
+                          int64_t Sw) {
   if (!be.crt_route || mode == kPathSlicesDiagonals) return 0;
   const int64_t Q = crt_moduli_needed(K, int(Sx), int(Sw), be.bits);
   if (Q == 0 || mode == kPathSlicesCrt) return Q;
   const double mn = double(M) * double(N);
-  const double residues = double(Q) * mn * double(K) + be.crt_output_macs * double(Q * Q) * mn;
-  return residues < double(Sx * Sw) * mn * double(K) ? Q : 0;
+  const double crt_cost = double(Q) * mn * double(K) + be.crt_output_macs * double(Q) * mn;
+  return crt_cost < double(Sx * Sw) * mn * double(K) ? Q : 0;
 }
 
 inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias,
