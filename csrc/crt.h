@@ -15,7 +15,7 @@
 // terms, bias, the one rounding, the 128-bit proof) is unchanged: the bytes cannot move.
 //
 // Host-only for now: the CPU backend uses it; the CUDA backend has no remainder kernels yet
-// (SliceBackend::crt_output_cost == 0 keeps it on the diagonals).
+// (SliceBackend::crt_route is false there: its diagonals run).
 #pragma once
 
 #include <cstdint>
@@ -42,15 +42,14 @@ struct CrtTable {
   uint32_t pw[kCrtMax][kSliceMax];  // 2^(bits s) mod m_t: a slice's weight
 };
 
-inline int64_t crt_mod(int64_t v, int64_t m) {  // the table's set-up and the reference only
+inline int64_t crt_mod(int64_t v, int64_t m) {  // the table's set-up only
   const int64_t r = v % m;
   return r < 0 ? r + m : r;
 }
 
 // a mod d for any 32-bit a, with c = 2^64 / d rounded up: two multiplications instead of a
 // division (Lemire, Kaser, Kurz, "Faster remainder by direct computation", 2019: exact for every
-// 32-bit a and d). The reconstruction takes ~Q^2/2 remainders per output: the division was
-// most of the route's CPU time.
+// 32-bit a and d). Here: each remainder sum c_t of the reconstruction (|c_t| < 2^31).
 inline uint32_t fastmod(uint32_t a, uint64_t c, uint32_t d) {
   const uint64_t low = c * a;
   return uint32_t((u128(low) * d) >> 64);
