@@ -35,6 +35,7 @@
 #include <cstdint>
 
 #include "longacc.h"
+#include "window_acc.h"
 
 namespace ldet {
 
@@ -371,7 +372,7 @@ LDET_HD bool combine_output_fast(const int32_t* c, int64_t pstride, int nch, int
 
 // One output from its product sums' integer P (units of 2^E) instead of the diagonals (the
 // CRT route, crt.h): the 128-bit route where `wide` and a rounded output allow it, else the
-// digits, P entering them as 32-bit limbs (each an exact fp64 value: header comment, step 2).
+// digits, P entering them as the window's flush adds its 128 bits (window_acc.h).
 LDET_HD void combine_output_value(i128 P, int E, int F, const double* bias, bool wide, int fmt,
                                   const ResidueTerms& terms, float* out_val, int64_t* acc_out) {
   if (acc_out == nullptr && wide && finish_output_fast(u128(P), E, F, bias, fmt, terms, out_val)) return;
@@ -379,10 +380,13 @@ LDET_HD void combine_output_value(i128 P, int E, int F, const double* bias, bool
   zero(acc);
   const bool neg = P < 0;
   u128 mag = neg ? u128(-P) : u128(P);
-  for (int k = 0; mag != 0; ++k, mag >>= 32) {
-    const uint32_t limb = uint32_t(mag);
-    // a multiple of P's lowest set bit, which lies on the 2^-298 grid: exact, on the grid
-    if (limb) add_double(acc, ldexp(neg ? -double(limb) : double(limb), E + 32 * k));
+  if (mag != 0) {
+    int off = E - LDET_LSB_EXP;  // P's bit 0 in units of 2^-298
+    if (off < 0) {  // exact: P 2^E lies on the 2^-298 grid (header comment, step 2), so -off < 128
+      mag >>= -off;
+      off = 0;
+    }
+    add_u128_at(acc, neg ? -1 : 1, uint64_t(mag), uint64_t(mag >> 64), off);
   }
   finish_output_digits(acc, bias, fmt, terms, out_val, acc_out);
 }

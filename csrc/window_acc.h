@@ -48,6 +48,14 @@ LDET_HD void add_u32_at(int64_t* acc, int64_t s, uint64_t t, int off) {
   if (up) add_limb(acc, q + 1, s * int64_t(up));
 }
 
+// Adds s * (hi 2^64 + lo) at bit `off` (units of 2^-298): four 32-bit limbs, zero ones skipped
+// (so never past the top). The window's flush, and the slices' CRT route (int_slices.h).
+LDET_HD void add_u128_at(int64_t* acc, int64_t s, uint64_t lo, uint64_t hi, int off) {
+  const uint64_t part[4] = {lo & uint64_t(LDET_MASK32), lo >> 32, hi & uint64_t(LDET_MASK32), hi >> 32};
+  for (int k = 0; k < 4; ++k)
+    if (part[k]) add_u32_at(acc, s, part[k], off + 32 * k);
+}
+
 // Moves W into the digits and empties it (the window keeps its place).
 LDET_HD void window_flush(WindowAcc& w, int64_t* acc) {
   w.terms = 0;
@@ -58,10 +66,7 @@ LDET_HD void window_flush(WindowAcc& w, int64_t* acc) {
     lo = ~lo + 1;
     hi = ~hi + (lo == 0 ? 1 : 0);
   }
-  const int64_t s = neg ? -1 : 1;
-  const uint64_t part[4] = {lo & uint64_t(LDET_MASK32), lo >> 32, hi & uint64_t(LDET_MASK32), hi >> 32};
-  for (int k = 0; k < 4; ++k)
-    if (part[k]) add_u32_at(acc, s, part[k], w.base + 32 * k);  // zero parts skipped: never past the top
+  add_u128_at(acc, neg ? -1 : 1, lo, hi, w.base);
   w.lo = 0;
   w.hi = 0;
 }

@@ -146,9 +146,9 @@ def gemm_path(path: str) -> Iterator[None]:
             ``"slices"`` (int8 slice GEMMs whenever the inputs allow; rows they cannot hold
             exactly still go to the kernel), ``"slices_diagonals"`` / ``"slices_crt"``
             (the slices, their products formed by one GEMM per diagonal of slice pairs, or by
-            one GEMM per modulus of a residue number system (Chinese remainder theorem) where the device has that route
-            and the moduli cover the products: CPU only so far; :func:`last_slices_plan`
-            says which ran).
+            one GEMM per modulus of a residue number system (Chinese remainder theorem) where
+            the device has that route and the moduli cover the products: CPU only so far;
+            :func:`last_slices_plan` says which ran).
 
     Every path returns the same bytes (the exact sum rounded once); the switch exists so tests and
     benchmarks can compare them. Not thread-safe: it sets one process-wide route.
