@@ -34,6 +34,37 @@ def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
 
 
 
+SLICE_OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def both_paths(fn, slices="slices"):
+    """fn() under gemm_path("kernel") and under gemm_path(slices): (kernel's, slices')."""
+    from lightning_det.ops import gemm_path
+
+    with gemm_path("kernel"):
+        ref = fn()
+    with gemm_path(slices):
+        got = fn()
+    return ref, got
+
+
+def assert_same_everywhere(x, w, bias=None, what="") -> dict:
+    """det_gemm (every output dtype) and det_gemm_partial through the slices with each way of
+    forming their products (one GEMM per diagonal of slice pairs; one per CRT modulus where the
+    device has it and the moduli cover the products) give the kernel's bytes. Returns the last
+    CRT call's last_slices_plan()."""
+    from lightning_det.ops import det_gemm, det_gemm_partial, last_slices_plan
+
+    for route in ("slices_diagonals", "slices_crt"):
+        for od in SLICE_OUT_DTYPES:
+            ref, got = both_paths(lambda: det_gemm(x, w, bias, out_dtype=od), route)
+            assert_bitwise(got, ref, f"{what} det_gemm out {od}: {route} vs kernel")
+        ref, got = both_paths(lambda: det_gemm_partial(x, w, bias), route)
+        plan = last_slices_plan()
+        assert torch.equal(got, ref), f"{what} det_gemm_partial: {route} digits differ from the kernel's"
+    return plan
+
+
 def seven_bit_digits_gemm(route: str, seeds=(12, 13, 14), check_plan: str = "True") -> torch.Tensor:
     """det_gemm_partial(x, w, b) of gen.normal operands (30 x 200, 20 x 200, bias 20; the given
     seeds) under gemm_path(route), computed in a fresh process with LIGHTNING_DET_SLICE_BITS=7:

@@ -10,12 +10,11 @@ import math
 
 import pytest
 import torch
-from conftest import assert_bitwise, seven_bit_digits_gemm
+from conftest import assert_bitwise, assert_same_everywhere, seven_bit_digits_gemm
 
 import gen
 from lightning_det.ops import det_gemm, det_gemm_partial, gemm_path, last_slices_plan, slices_guess
 
-OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 INT32_MAX = 2**31 - 1
 
 
@@ -63,30 +62,10 @@ def slice_bits() -> int:
     return 8 if s == 2 else 7
 
 
-def run_routes(x, w, bias=None, out_dtype=torch.float32):
-    """(kernel, diagonals, crt) results and the CRT call's plan."""
-    res = {}
-    for route in ("kernel", "slices_diagonals", "slices_crt"):
-        with gemm_path(route):
-            res[route] = (det_gemm(x, w, bias, out_dtype=out_dtype), det_gemm_partial(x, w, bias))
-            if route == "slices_crt":
-                plan = last_slices_plan()
-    return res, plan
-
-
-def assert_routes_agree(x, w, bias=None, what=""):
-    for od in OUT_DTYPES:
-        res, plan = run_routes(x, w, bias, od)
-        for route in ("slices_diagonals", "slices_crt"):
-            assert_bitwise(res[route][0], res["kernel"][0], f"{what} -> {od}: {route} vs kernel")
-            assert torch.equal(res[route][1], res["kernel"][1]), f"{what}: {route} digits vs kernel"
-    return plan
-
-
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float16])
 def test_crt_route_runs_with_fewer_gemms_and_the_kernels_bytes(dt):
     x, w = gen.normal((64, 700), dt, 51), gen.normal((48, 700), dt, 52)
-    plan = assert_routes_agree(x, w, gen.normal((48,), torch.float32, 53), f"{dt} normal")
+    plan = assert_same_everywhere(x, w, gen.normal((48,), torch.float32, 53), f"{dt} normal")
     assert plan["moduli"] == moduli_needed_py(700, plan["slices_x"], plan["slices_w"], slice_bits()), plan
     if dt == torch.float32:  # the point of the route: fewer int8 GEMMs than slice pairs
         assert 0 < plan["moduli"] < plan["slices_x"] * plan["slices_w"], plan
@@ -105,7 +84,7 @@ def test_products_at_their_bound_need_every_modulus():
     x = torch.full((3, K), 1 + 2.0**-6)
     w = torch.full((2, K), -(2 - 2.0**-23))
     x[1] = -x[1]  # both signs of P
-    plan = assert_routes_agree(x, w, what="products at the bound")
+    plan = assert_same_everywhere(x, w, what="products at the bound")
     bits = slice_bits()
     q = moduli_needed_py(K, plan["slices_x"], plan["slices_w"], bits)
     assert plan["moduli"] == q > 0, plan
@@ -132,7 +111,7 @@ def test_int32_bound_of_the_remainder_sums():
     k_max = INT32_MAX >> (2 * bits - 2)
     for K, crt in ((k_max, True), (k_max + 1, False)):
         x = torch.full((2, K), v)
-        plan = assert_routes_agree(x, x.clone(), what=f"K = {K}")
+        plan = assert_same_everywhere(x, x.clone(), what=f"K = {K}")
         assert plan["slices_x"] == plan["slices_w"] == 2, plan
         assert (plan["moduli"] > 0) == crt, f"K = {K}: {plan}"
     X = int(v * 2.0 ** (2 * bits - 3))
@@ -145,7 +124,7 @@ def test_digits_route_of_the_reconstructed_integer():
     # digits, with P entering them in 32-bit limbs (int_slices.h, combine_output_value)
     x, w = gen.normal((16, 300), torch.float32, 54), gen.normal((12, 300), torch.float32, 55)
     bias = torch.full((12,), 2.0**-120) * torch.arange(1, 13)
-    assert assert_routes_agree(x, w, bias, "bias below the grid")["moduli"] > 0
+    assert assert_same_everywhere(x, w, bias, "bias below the grid")["moduli"] > 0
 
 
 def test_wide_and_out_of_range_rows_with_crt():
@@ -155,7 +134,7 @@ def test_wide_and_out_of_range_rows_with_crt():
     x = torch.randn(40, 96, generator=g) * torch.exp2(torch.randint(-30, 30, (40, 1), generator=g).float())
     w = torch.randn(24, 96, generator=g) * torch.exp2(torch.randint(-6, 6, (24, 96), generator=g).float())
     x[5, 7], x[9], w[6, 3] = float("nan"), 0.0, float("inf")
-    assert assert_routes_agree(x, w, gen.normal((24,), torch.float32, 57), "wide rows")["moduli"] > 0
+    assert assert_same_everywhere(x, w, gen.normal((24,), torch.float32, 57), "wide rows")["moduli"] > 0
 
 
 def test_guessed_slice_counts_with_crt():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_bitwise, seven_bit_digits_gemm
+from conftest import assert_bitwise, assert_same_everywhere, both_paths, seven_bit_digits_gemm
 
 import gen
 from lightning_det.ops import det_gemm, det_gemm_partial, gemm_path, last_slices_plan, slices_guess
@@ -16,25 +16,6 @@ from lightning_det.reference import longacc_ref as R
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def both_paths(fn, slices="slices"):
-    with gemm_path("kernel"):
-        ref = fn()
-    with gemm_path(slices):
-        got = fn()
-    return ref, got
-
-
-def assert_same_everywhere(x, w, bias=None, what=""):
-    # the slices with each way of forming their products: one GEMM per diagonal of slice pairs,
-    # and (where the device has it and the moduli cover the products) one per CRT modulus
-    for route in ("slices_diagonals", "slices_crt"):
-        for od in OUT_DTYPES:
-            ref, got = both_paths(lambda: det_gemm(x, w, bias, out_dtype=od), route)
-            assert_bitwise(got, ref, f"{what} det_gemm out {od}: {route} vs kernel")
-        ref, got = both_paths(lambda: det_gemm_partial(x, w, bias), route)
-        assert torch.equal(got, ref), f"{what} det_gemm_partial: {route} digits differ from the kernel's"
 
 
 TINY = 1.5 * 2.0**-21  # bits at 2^-21 and 2^-22: in a row topped by 1.0, 3 slices end at 2^-21
