@@ -14,8 +14,9 @@
 // P is the same integer the diagonals' Horner sum gives, so everything downstream (residue
 // terms, bias, the one rounding, the 128-bit proof) is unchanged: the bytes cannot move.
 //
-// Host-only for now: the CPU backend uses it; the CUDA backend has no remainder kernels yet
-// (SliceBackend::crt_route is false there: its diagonals run).
+// The per-element and per-output functions are LDET_HD: the CPU backend and the CUDA kernels
+// (make_slices_kernel, the combine kernels) run the same code; the table is built on the host
+// and copied to each device once (csrc/cuda/int_slices_cuda.cu, crt_table_on).
 #pragma once
 
 #include <cstdint>
@@ -50,9 +51,13 @@ inline int64_t crt_mod(int64_t v, int64_t m) {  // the table's set-up only
 // a mod d for any 32-bit a, with c = 2^64 / d rounded up: two multiplications instead of a
 // division (Lemire, Kaser, Kurz, "Faster remainder by direct computation", 2019: exact for every
 // 32-bit a and d). Here: each remainder sum c_t of the reconstruction (|c_t| < 2^31).
-inline uint32_t fastmod(uint32_t a, uint64_t c, uint32_t d) {
+LDET_HD uint32_t fastmod(uint32_t a, uint64_t c, uint32_t d) {
   const uint64_t low = c * a;
+#if defined(__CUDA_ARCH__)
+  return uint32_t(__umul64hi(low, uint64_t(d)));
+#else
   return uint32_t((u128(low) * d) >> 64);
+#endif
 }
 
 inline int64_t crt_inverse(int64_t a, int64_t m) {  // a^-1 mod m for gcd(a, m) = 1 (extended Euclid)
@@ -124,29 +129,29 @@ inline int crt_moduli_needed(int64_t K, int Sa, int Sb, int bits) {
 // a mod m for a < 2^20 and m <= 2^8, with c = 2^32 / m rounded up: the quotient (a c) >> 32 is
 // exact while a m < 2^32 (its error a (c - 2^32/m) / 2^32 < a / 2^32 stays below the distance
 // 1/m from a/m to the next integer), so one 32 x 32 -> 64 multiply and a multiply-subtract.
-inline uint32_t mod_small(uint32_t a, uint32_t m, uint32_t c) {
+LDET_HD uint32_t mod_small(uint32_t a, uint32_t m, uint32_t c) {
   return a - uint32_t((uint64_t(a) * c) >> 32) * m;
 }
 
-// The remainder planes of one row: for each of its K integers with balanced digits d[s * K + k]
-// (X = sum_s d_s 2^(bits s), |d_s| <= 2^(bits-1)), the symmetric remainder modulo m_t into
-// out[t * stride + k], t < Q. sum_s d_s (2^(bits s) mod m_t) has |.| < 8 2^(bits-1) 2^bits; adding
-// m_t 2^11 (> 2^(bits + 10): every modulus is above 2^(bits-1), bits <= 8) makes it non-negative
-// and below 2^20 for mod_small; the result then moves into [-(m_t/2), m_t/2), inside the digits'
-// int8 range. The loop over k has no dependences: the compiler vectorizes it.
+// The symmetric remainder modulo m_i of the integer with balanced digits d[s * dstride] (s < S;
+// X = sum_s d_s 2^(bits s), |d_s| <= 2^(bits-1)): sum_s d_s (2^(bits s) mod m_i) has
+// |.| < 8 2^(bits-1) 2^bits; adding m_i 2^11 (> 2^(bits + 10): every modulus is above 2^(bits-1),
+// bits <= 8) makes it non-negative and below 2^20 for mod_small; the result then moves into
+// [-(m_i/2), m_i/2), inside the digits' int8 range.
+LDET_HD int8_t crt_remainder(const int8_t* d, int64_t dstride, int S, int i, const CrtTable& t) {
+  const uint32_t m = uint32_t(t.m[i]);
+  int32_t sum = int32_t(m << 11);
+  for (int s = 0; s < S; ++s) sum += int32_t(d[s * dstride]) * int32_t(t.pw[i][s]);
+  const uint32_t r = mod_small(uint32_t(sum), m, t.sm[i]);
+  return int8_t(r >= (m + 1) / 2 ? int32_t(r) - int32_t(m) : int32_t(r));
+}
+
+// The remainder planes of one row: for each of its K integers with digits d[s * K + k], the
+// remainder modulo m_i into out[i * stride + k], i < Q (the loop over k has no dependences).
 inline void crt_remainder_planes(const int8_t* d, int64_t K, int S, int Q, const CrtTable& t, int8_t* out,
                                  int64_t stride) {
-  for (int i = 0; i < Q; ++i) {
-    const uint32_t m = uint32_t(t.m[i]), c = t.sm[i], half = (m + 1) / 2;
-    const int32_t off = int32_t(m << 11);
-    int8_t* o = out + i * stride;
-    for (int64_t k = 0; k < K; ++k) {
-      int32_t sum = off;
-      for (int s = 0; s < S; ++s) sum += int32_t(d[s * K + k]) * int32_t(t.pw[i][s]);
-      const uint32_t r = mod_small(uint32_t(sum), m, c);
-      o[k] = int8_t(r >= half ? int32_t(r) - int32_t(m) : int32_t(r));
-    }
-  }
+  for (int i = 0; i < Q; ++i)
+    for (int64_t k = 0; k < K; ++k) out[i * stride + k] = crt_remainder(d + k, K, S, i, t);
 }
 
 // P from its Q int32 remainder sums c[t * pstride] (t < Q), by the explicit CRT: with r_t = c_t
@@ -155,7 +160,7 @@ inline void crt_remainder_planes(const int8_t* d, int64_t K, int S, int Q, const
 // estimated in fp64 (error below Q 2^-50, far under 1/2), then the exact 128-bit fix-up moves the
 // result into [-M/2, M/2), where |P| < M/2 lies (crt_moduli_needed). O(Q) work per output, where
 // Garner's mixed radix took Q^2/2 dependent remainders (NOTES, session 11).
-inline i128 crt_value(const int32_t* c, int64_t pstride, int Q, const CrtTable& t) {
+LDET_HD i128 crt_value(const int32_t* c, int64_t pstride, int Q, const CrtTable& t) {
   u128 S = 0;
   double f = 0.0;
   for (int i = 0; i < Q; ++i) {

@@ -4,7 +4,7 @@ everywhere, use the fewest moduli that cover the products (checked against an in
 count), fail without the last one on data at the bound (the bound has teeth), and step aside where
 the int32 sums or the 128-bit reconstruction could not hold (the diagonals then run).
 
-The CUDA backend has no remainder kernels yet: these tests run on the CPU backend.
+CUDA: the same route's kernels against the CUDA long-accumulator kernel and the CPU route.
 """
 import math
 
@@ -159,12 +159,56 @@ def test_crt_route_with_seven_bit_digits():
     assert torch.equal(seven_bit_digits_gemm("slices_crt", (60, 61, 62), "plan['moduli'] > 0"), want)
 
 
+def _cuda_cases():
+    """(name, x, w, bias) CPU operands for the CUDA CRT route: normal fp32 and bf16, data at the
+    bound, wide rows with NaN / inf / a zero row, a bias below the grid."""
+    g = torch.Generator().manual_seed(65)
+    wide_x = torch.randn(40, 96, generator=g) * torch.exp2(torch.randint(-30, 30, (40, 1), generator=g).float())
+    wide_w = torch.randn(24, 96, generator=g) * torch.exp2(torch.randint(-6, 6, (24, 96), generator=g).float())
+    wide_x[5, 7], wide_x[9], wide_w[6, 3] = float("nan"), 0.0, float("inf")
+    bound_x, bound_w = torch.full((3, 4096), 1 + 2.0**-6), torch.full((2, 4096), -(2 - 2.0**-23))
+    bound_x[1] = -bound_x[1]
+    return [
+        ("normal fp32", gen.normal((64, 700), torch.float32, 66), gen.normal((48, 700), torch.float32, 67),
+         gen.normal((48,), torch.float32, 68)),
+        ("normal bf16", gen.normal((64, 700), torch.bfloat16, 69), gen.normal((48, 700), torch.bfloat16, 70), None),
+        ("at the bound", bound_x, bound_w, None),
+        ("wide rows", wide_x, wide_w, gen.normal((24,), torch.float32, 71)),
+        ("bias below the grid", gen.normal((16, 300), torch.float32, 72), gen.normal((12, 300), torch.float32, 73),
+         torch.full((12,), 2.0**-120) * torch.arange(1, 13)),
+    ]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_has_no_crt_route_yet_and_keeps_the_diagonals():
-    # the path asks for CRT; the CUDA backend has no remainder kernels, so its diagonals run
-    x, w = gen.normal((64, 300), torch.float32, 63).cuda(), gen.normal((48, 300), torch.float32, 64).cuda()
+@pytest.mark.parametrize("case", range(5))
+def test_cuda_crt_route_matches_kernel_and_cpu(case):
+    # the CUDA remainder planes and reconstruction (csrc/cuda/int_slices_cuda.cu with crt.h's
+    # functions): the CUDA kernel's bytes and the CPU CRT route's, rounded and as digits
+    name, x, w, b = _cuda_cases()[case]
+    xc, wc = x.cuda(), w.cuda()
+    bc = None if b is None else b.cuda()
+    for od in OUT_DTYPES:
+        with gemm_path("slices_crt"):
+            got = det_gemm(xc, wc, bc, out_dtype=od)
+            assert last_slices_plan()["moduli"] > 0, f"{name}: {last_slices_plan()}"
+            cpu = det_gemm(x, w, b, out_dtype=od)
+        with gemm_path("kernel"):
+            want = det_gemm(xc, wc, bc, out_dtype=od)
+        assert_bitwise(got.cpu(), want.cpu(), f"cuda {name} -> {od}: crt vs kernel")
+        assert_bitwise(got.cpu(), cpu, f"cuda {name} -> {od}: cuda crt vs cpu crt")
     with gemm_path("slices_crt"):
-        got = det_gemm(x, w)
-        assert last_slices_plan()["moduli"] == 0
+        got = det_gemm_partial(xc, wc, bc)
     with gemm_path("kernel"):
-        assert_bitwise(got.cpu(), det_gemm(x, w).cpu(), "cuda slices_crt vs kernel")
+        assert torch.equal(got.cpu(), det_gemm_partial(xc, wc, bc).cpu()), f"cuda {name}: digits"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_crt_route_with_guessed_slice_counts():
+    x, w = gen.normal((30, 200), torch.float32, 74).cuda(), gen.normal((20, 200), torch.float32, 75).cuda()
+    x[3, ::7] *= 2.0**-20
+    with gemm_path("kernel"):
+        want = det_gemm(x, w)
+    with slices_guess((3, 3)), gemm_path("slices_crt"):
+        got = det_gemm(x, w)
+        assert last_slices_plan()["moduli"] > 0
+    assert_bitwise(got.cpu(), want.cpu(), "cuda guessed (3, 3) with the CRT route")

@@ -98,13 +98,14 @@ __global__ void row_needs_kernel(const T* __restrict__ a, int64_t R, int64_t K, 
 // (Rp, nch * Kc) operand (Kc % 16 == 0: they share a chunk), written as one 32-bit word per slice.
 // Zeros for padding, zero rows and rows left to the kernel, so the slices need no zero-fill first;
 // residues go to their row's list in any order (the combine's sum is exact: the order cannot show).
-template <typename T>
+template <typename T, bool kCrt>
 __global__ void make_slices_kernel(const T* __restrict__ a, const int32_t* __restrict__ needs, int64_t R, int64_t Rp,
                                    int64_t K, int S, int bits, bool reverse, int64_t Kc, int64_t nch,
                                    int8_t* __restrict__ out, int32_t* __restrict__ sh, int32_t* __restrict__ rcount,
                                    int32_t* __restrict__ ridx, double* __restrict__ rval, int32_t* __restrict__ F,
-                                   int32_t* __restrict__ left) {
-  const int64_t Kp = nch * Kc, width = Kp * S;
+                                   int32_t* __restrict__ left, int Q, const CrtTable* __restrict__ crt) {
+  // Q > 0 (the CRT way, crt.h; nch == 1): Q remainder planes instead of S slices
+  const int64_t Kp = nch * Kc, width = Kp * (Q > 0 ? Q : S);
   const int64_t step = reverse ? -Kc : Kc;
   for (int64_t r = blockIdx.y; r < Rp; r += gridDim.y) {
     const int need = r < R ? needs[3 * r + 1] : 0;
@@ -118,10 +119,11 @@ __global__ void make_slices_kernel(const T* __restrict__ a, const int32_t* __res
     for (int64_t k4 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4; k4 < Kp;
          k4 += int64_t(gridDim.x) * blockDim.x * 4) {
       const int64_t c = k4 / Kc, kk = k4 - c * Kc;
-      int8_t* dst = out + r * width + (c * S + (reverse ? S - 1 : 0)) * Kc + kk;
-      uint32_t words[kSliceMax];
+      int8_t* dst = Q > 0 ? out + r * width + kk : out + r * width + (c * S + (reverse ? S - 1 : 0)) * Kc + kk;
+      // four elements' bytes per slice (or per remainder plane), one 32-bit store each
+      uint32_t words[kCrtMax > kSliceMax ? kCrtMax : kSliceMax];
 #pragma unroll
-      for (int q = 0; q < kSliceMax; ++q) words[q] = 0;
+      for (int q = 0; q < (kCrtMax > kSliceMax ? kCrtMax : kSliceMax); ++q) words[q] = 0;
       if (live) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -138,14 +140,29 @@ __global__ void make_slices_kernel(const T* __restrict__ a, const int32_t* __res
               rval[r * kResidueCap + j] = v - x3;  // exact: the bits below the window
             }
           }
+          if constexpr (kCrt) {  // the digits, then their remainders modulo Q moduli (crt.h)
+            int8_t d[kSliceMax];
 #pragma unroll
-          for (int q = 0; q < kSliceMax; ++q)
-            if (q < S) words[q] |= uint32_t(uint8_t(next_digit(X, bits))) << (8 * e);
+            for (int q = 0; q < kSliceMax; ++q) d[q] = q < S ? next_digit(X, bits) : int8_t(0);
+#pragma unroll
+            for (int t = 0; t < kCrtMax; ++t)
+              if (t < Q) words[t] |= uint32_t(uint8_t(crt_remainder(d, 1, S, t, *crt))) << (8 * e);
+          } else {
+#pragma unroll
+            for (int q = 0; q < kSliceMax; ++q)
+              if (q < S) words[q] |= uint32_t(uint8_t(next_digit(X, bits))) << (8 * e);
+          }
         }
       }
+      if constexpr (kCrt) {
 #pragma unroll
-      for (int q = 0; q < kSliceMax; ++q)
-        if (q < S) *reinterpret_cast<uint32_t*>(dst + q * step) = words[q];
+        for (int t = 0; t < kCrtMax; ++t)
+          if (t < Q) *reinterpret_cast<uint32_t*>(dst + t * Kc) = words[t];
+      } else {
+#pragma unroll
+        for (int q = 0; q < kSliceMax; ++q)
+          if (q < S) *reinterpret_cast<uint32_t*>(dst + q * step) = words[q];
+      }
     }
   }
 }
@@ -167,7 +184,8 @@ __global__ void __launch_bounds__(kThreads) combine_fast_kernel(const int32_t* _
                                                                KernelOperand w, const double* __restrict__ bias, int D,
                                                                int bits, int fmt, void* __restrict__ out,
                                                                int64_t* __restrict__ list, int32_t* __restrict__ count,
-                                                               int64_t cap, WideCheck check) {
+                                                               int64_t cap, WideCheck check, int Q,
+                                                               const CrtTable* __restrict__ crt) {
   if (check.sums != nullptr &&
       !slices_wide(check.sums, check.sums + kSumLen, check.Sx, check.Sw, check.nch, check.Kc, bits)) {
     // a guessed plan the 128-bit sum is not proven for: every output to combine_rest_kernel
@@ -181,9 +199,16 @@ __global__ void __launch_bounds__(kThreads) combine_fast_kernel(const int32_t* _
       const int64_t i = m * Nv + n;
       const ResidueTerms terms{x.res, x.elems, shx, m, w.res, w.elems, n};
       float v;
-      const bool ok = combine_output_fast<DC>(C + m * Ncp + n, Mp * Ncp, nch, D, bits, -(shx + w.sh[n]),
-                                              Fx + (w.res.F ? w.res.F[n] : 0), bias ? bias + n : nullptr, fmt, terms,
-                                              &v);
+      // the products' integer: the diagonals' sum, or its reconstruction from Q remainder sums
+      const int32_t* cp = C + m * Ncp + n;
+      u128 T;
+      if constexpr (DC > 0) {  // the diagonals' common case: no CRT code in these instances
+        T = diagonal_sum<DC>(cp, Mp * Ncp, nch, D, bits);
+      } else {
+        T = Q > 0 ? u128(crt_value(cp, Mp * Ncp, Q, *crt)) : diagonal_sum<0>(cp, Mp * Ncp, nch, D, bits);
+      }
+      const bool ok = finish_output_fast(T, -(shx + w.sh[n]), Fx + (w.res.F ? w.res.F[n] : 0),
+                                         bias ? bias + n : nullptr, fmt, terms, &v);
       if (ok) {
         store_fmt(out, i, v, fmt);
       } else {
@@ -200,7 +225,8 @@ __global__ void __launch_bounds__(kThreads) combine_fast_kernel(const int32_t* _
 __global__ void combine_rest_kernel(const int32_t* __restrict__ C, int nch, int64_t Mp, int64_t Ncp, int64_t M,
                                     int64_t Nv, KernelOperand x, KernelOperand w, const double* __restrict__ bias,
                                     int D, int bits, bool digits, int fmt, void* __restrict__ out,
-                                    const int64_t* __restrict__ list, const int32_t* __restrict__ count, int64_t cap) {
+                                    const int64_t* __restrict__ list, const int32_t* __restrict__ count, int64_t cap,
+                                    int Q, const CrtTable* __restrict__ crt) {
   int64_t items = M * Nv;
   bool listed = false;
   if (list != nullptr) {
@@ -215,14 +241,16 @@ __global__ void combine_rest_kernel(const int32_t* __restrict__ C, int nch, int6
     const ResidueTerms terms{x.res, x.elems, shx, m, w.res, w.elems, n};
     const int32_t* cp = C + m * Ncp + n;
     const double* bn = bias ? bias + n : nullptr;
-    if (digits) {
-      combine_output_digits(cp, Mp * Ncp, nch, D, bits, -(shx + w.sh[n]), bn, fmt, terms, nullptr,
-                            static_cast<int64_t*>(out) + i * LDET_WORDS);
+    int64_t* acc_out = digits ? static_cast<int64_t*>(out) + i * LDET_WORDS : nullptr;
+    float v;
+    if (Q > 0) {  // the CRT way: the reconstructed integer into the digits (wide = false)
+      combine_output_value(crt_value(cp, Mp * Ncp, Q, *crt), -(shx + w.sh[n]), 0, bn, false, fmt, terms,
+                           digits ? nullptr : &v, acc_out);
     } else {
-      float v;
-      combine_output_digits(cp, Mp * Ncp, nch, D, bits, -(shx + w.sh[n]), bn, fmt, terms, &v, nullptr);
-      store_fmt(out, i, v, fmt);
+      combine_output_digits(cp, Mp * Ncp, nch, D, bits, -(shx + w.sh[n]), bn, fmt, terms, digits ? nullptr : &v,
+                            acc_out);
     }
+    if (!digits) store_fmt(out, i, v, fmt);
   }
 }
 
@@ -231,18 +259,18 @@ template <int DC = kMaxDiagonals>
 void launch_combine_fast(int D, int nch, dim3 grid, cudaStream_t stream, const int32_t* C, int64_t Mp, int64_t Ncp,
                          int64_t M, int64_t Nv, const KernelOperand& x, const KernelOperand& w, const double* bias,
                          int bits, int fmt, void* out, int64_t* list, int32_t* count, int64_t cap,
-                         const WideCheck& check) {
+                         const WideCheck& check, int Q, const CrtTable* crt) {
   if constexpr (DC > 0) {
-    if (nch == 1 && D == DC) {
+    if (Q == 0 && nch == 1 && D == DC) {
       combine_fast_kernel<DC><<<grid, kThreads, 0, stream>>>(C, nch, Mp, Ncp, M, Nv, x, w, bias, D, bits, fmt, out,
-                                                             list, count, cap, check);
+                                                             list, count, cap, check, 0, nullptr);
       return;
     }
     launch_combine_fast<DC - 1>(D, nch, grid, stream, C, Mp, Ncp, M, Nv, x, w, bias, bits, fmt, out, list, count, cap,
-                                check);
+                                check, Q, crt);
   } else {
     combine_fast_kernel<0><<<grid, kThreads, 0, stream>>>(C, nch, Mp, Ncp, M, Nv, x, w, bias, D, bits, fmt, out, list,
-                                                          count, cap, check);
+                                                          count, cap, check, Q, crt);
   }
 }
 
@@ -282,11 +310,26 @@ at::Tensor row_needs_cuda(const at::Tensor& a, int64_t bits, at::Tensor& sum) {
   return out;
 }
 
-// moduli: always 0 here (SliceBackend::crt_route is false: no remainder kernels yet)
+// crt.h's table for 8-bit digits on `device`: built on the host, copied once per device (the
+// kernels read their moduli's constants from it; ~6 KB, kept for the process).
+const CrtTable* crt_table_on(const at::Device& device) {
+  static std::mutex mu;
+  static std::unordered_map<int, at::Tensor> tables;
+  std::lock_guard<std::mutex> lock(mu);
+  at::Tensor& t = tables[device.index()];
+  if (!t.defined()) {
+    const CrtTable& host = crt_table(8);
+    const at::Tensor bytes = at::from_blob(const_cast<CrtTable*>(&host), {int64_t(sizeof(CrtTable))},
+                                           at::TensorOptions().dtype(at::kByte));
+    t = bytes.to(device);  // a synchronous copy from pageable memory: the table is ready on return
+  }
+  return reinterpret_cast<const CrtTable*>(t.data_ptr());
+}
+
 SliceOperand make_slices_cuda(const at::Tensor& a, const at::Tensor& needs, int64_t S, int64_t bits, bool reverse,
                               int64_t Kc, int64_t nch, int64_t Rp, bool residues, const at::Tensor& left,
-                              int64_t /*moduli*/) {
-  const int64_t R = a.size(0), K = a.size(1), width = nch * S * Kc;
+                              int64_t moduli) {
+  const int64_t R = a.size(0), K = a.size(1), width = moduli > 0 ? moduli * Kc : nch * S * Kc;
   SliceOperand so = new_slice_operand(a, Rp, width, residues, /*zero_fill=*/false);
   if (S == 0) {  // never a guessed plan (those have S >= 1): `left` needs no rows here
     so.sh.zero_();
@@ -295,11 +338,14 @@ SliceOperand make_slices_cuda(const at::Tensor& a, const at::Tensor& needs, int6
   with_elements(a, [&](auto* p) {
     const dim3 grid(unsigned(std::min<int64_t>((nch * Kc / 4 + kThreads - 1) / kThreads, 65535)),
                     unsigned(std::min<int64_t>(Rp, 65535)));
-    make_slices_kernel<<<grid, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(p)>>;
+    auto kernel = moduli > 0 ? make_slices_kernel<T, true> : make_slices_kernel<T, false>;
+    kernel<<<grid, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         p, needs.data_ptr<int32_t>(), R, Rp, K, int(S), int(bits), reverse, Kc, nch, so.q.data_ptr<int8_t>(),
         so.sh.data_ptr<int32_t>(), residues ? so.rcount.data_ptr<int32_t>() : nullptr,
         residues ? so.ridx.data_ptr<int32_t>() : nullptr, residues ? so.rval.data_ptr<double>() : nullptr,
-        residues ? so.F.data_ptr<int32_t>() : nullptr, left.defined() ? left.data_ptr<int32_t>() : nullptr);
+        residues ? so.F.data_ptr<int32_t>() : nullptr, left.defined() ? left.data_ptr<int32_t>() : nullptr,
+        int(moduli), moduli > 0 ? crt_table_on(a.device()) : nullptr);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return so;
@@ -322,14 +368,15 @@ KernelOperand kernel_operand(const SliceOperand& o, const at::Tensor& sh_c) {
 
 at::Tensor combine_cuda(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOperand& x, const SliceOperand& w,
                         const at::Tensor& bias, int64_t D, int64_t bits, bool wide_ok, const WideCheck& check,
-                        bool digits, at::ScalarType out_dtype, int64_t /*moduli: 0, as make_slices_cuda*/) {
+                        bool digits, at::ScalarType out_dtype, int64_t moduli) {
+  const CrtTable* crt = moduli > 0 ? crt_table_on(C.device()) : nullptr;
   const int fmt = out_format(out_dtype);
   // every output: by the 128-bit kernel, or listed (or all, past the list) for combine_rest_kernel
   at::Tensor out = digits ? uninit({M, Nv, LDET_WORDS}, C.options().dtype(at::kLong))
                           : uninit({M, Nv}, C.options().dtype(out_dtype));
   const at::Tensor shx_c = x.sh.contiguous(), shw_c = w.sh.contiguous();
   if (M * Nv > 0) {
-    const int nch = D > 0 ? int(C.size(0) / D) : 0;
+    const int nch = moduli > 0 ? 1 : D > 0 ? int(C.size(0) / D) : 0;
     const dim3 grid(unsigned(std::min<int64_t>((Nv + kThreads - 1) / kThreads, 65535)),
                     unsigned(std::min<int64_t>(M, 65535)));
     const auto stream = c10::cuda::getCurrentCUDAStream();
@@ -342,17 +389,19 @@ at::Tensor combine_cuda(const at::Tensor& C, int64_t M, int64_t Nv, const SliceO
       at::Tensor count = at::zeros({1}, C.options().dtype(at::kInt));
       at::Tensor list = uninit({cap}, C.options().dtype(at::kLong));  // read below the count only
       launch_combine_fast(int(D), nch, grid, stream, Cp, C.size(1), C.size(2), M, Nv, xo, wo, bp, int(bits), fmt,
-                          out.data_ptr(), list.data_ptr<int64_t>(), count.data_ptr<int32_t>(), cap, check);
+                          out.data_ptr(), list.data_ptr<int64_t>(), count.data_ptr<int32_t>(), cap, check,
+                          int(moduli), crt);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       // sized for the list: when nothing was left, its blocks read the count and return
       const unsigned rest_grid = unsigned(std::min<int64_t>((cap + kThreads - 1) / kThreads, 1024));
       combine_rest_kernel<<<rest_grid, kThreads, 0, stream>>>(Cp, nch, C.size(1), C.size(2), M, Nv, xo, wo, bp, int(D),
                                                               int(bits), false, fmt, out.data_ptr(),
-                                                              list.data_ptr<int64_t>(), count.data_ptr<int32_t>(), cap);
+                                                              list.data_ptr<int64_t>(), count.data_ptr<int32_t>(), cap,
+                                                              int(moduli), crt);
     } else {
       combine_rest_kernel<<<grid_for(M * Nv), kThreads, 0, stream>>>(Cp, nch, C.size(1), C.size(2), M, Nv, xo, wo, bp,
                                                                     int(D), int(bits), digits, fmt, out.data_ptr(),
-                                                                    nullptr, nullptr, 0);
+                                                                    nullptr, nullptr, 0, int(moduli), crt);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
@@ -417,8 +466,8 @@ const SliceBackend& slice_backend_cuda() {
                                // which is host-bound, and a stale guess costs a slow call (NOTES
                                // "Session 9"); slices_guess("cached") turns them on
                                false,
-                               // no remainder kernels yet (crt.h): the diagonals only
-                               false, 0.0};
+                               // the CRT way (crt.h): only where a path forces it, until measured here
+                               true, std::numeric_limits<double>::infinity()};
   return be;
 }
 
