@@ -321,7 +321,9 @@ const CrtTable* crt_table_on(const at::Device& device) {
     const CrtTable& host = crt_table(8);
     const at::Tensor bytes = at::from_blob(const_cast<CrtTable*>(&host), {int64_t(sizeof(CrtTable))},
                                            at::TensorOptions().dtype(at::kByte));
-    t = bytes.to(device);  // a synchronous copy from pageable memory: the table is ready on return
+    t = bytes.to(device);
+    // once per device and process: wait for the copy, so kernels on any stream see the table
+    c10::cuda::getCurrentCUDAStream(device.index()).synchronize();
   }
   return reinterpret_cast<const CrtTable*>(t.data_ptr());
 }
