@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from conftest import assert_bitwise, assert_same_everywhere, seven_bit_digits_gemm
+from conftest import SLICE_OUT_DTYPES, assert_bitwise, assert_same_everywhere, seven_bit_digits_gemm
 
 import gen
 from lightning_det.ops import det_gemm, det_gemm_partial, gemm_path, last_slices_plan, slices_guess
@@ -187,7 +187,7 @@ def test_cuda_crt_route_matches_kernel_and_cpu(case):
     name, x, w, b = _cuda_cases()[case]
     xc, wc = x.cuda(), w.cuda()
     bc = None if b is None else b.cuda()
-    for od in OUT_DTYPES:
+    for od in SLICE_OUT_DTYPES:
         with gemm_path("slices_crt"):
             got = det_gemm(xc, wc, bc, out_dtype=od)
             assert last_slices_plan()["moduli"] > 0, f"{name}: {last_slices_plan()}"
