@@ -113,9 +113,10 @@ def child(args):
                         enable_model_summary=False, callbacks=[timer])
     if args.accelerator == "gpu":
         torch.cuda.reset_peak_memory_stats()
-    from lightning_det.ops import slices_guess
+    from lightning_det.ops import gemm_path, slices_guess
 
-    with slices_guess(args.slices_guess):  # "sync": each slice GEMM waits for its own plan
+    # "sync": each slice GEMM waits for its own plan; gemm_path: e.g. the slices' CRT way, forced
+    with slices_guess(args.slices_guess), gemm_path(args.gemm_path):
         trainer.fit(model, dl)
     if trainer.global_rank == 0:
         warm = model.times[3:] or model.times
@@ -131,6 +132,7 @@ def child(args):
             "step_ms": 1e3 * statistics.median(warm), "peak_bytes": peak,
             "allreduce_bytes_per_grad_element": bytes_per_elem,
             "allreduce_bytes_per_step": sync.get("bytes", 4 * params), "slices_guess": args.slices_guess,
+            "gemm_path": args.gemm_path,
         }
         if det:
             row["eager_rounded_params"] = sync.get("eager", 0)
@@ -165,6 +167,8 @@ def main(argv=None):
                    help="CUDA: record allocations and report what is alive at each run's peak (slower steps)")
     p.add_argument("--slices-guess", default="default", choices=["default", "sync", "cached"],
                    help="how slice GEMMs plan (lightning_det.ops.slices_guess)")
+    p.add_argument("--gemm-path", default="auto",
+                   help="exact GEMM route for the det strategies (lightning_det.ops.gemm_path), e.g. slices_crt")
     p.add_argument("--out", default="", help="(internal) the child's row file")
     p.add_argument("--results", default=None, help="results path (default: benchmarks/results/<device>-ddp_step.json)")
     args = p.parse_args(argv)
@@ -186,7 +190,7 @@ def main(argv=None):
                "--batch", str(args.batch), "--steps", str(args.steps)]
         cmd += (["--breakdown"] if args.breakdown else []) + (["--profile"] if args.profile else [])
         cmd += ["--profile-stacks"] if args.profile_stacks else []
-        cmd += ["--slices-guess", args.slices_guess]
+        cmd += ["--slices-guess", args.slices_guess, "--gemm-path", args.gemm_path]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
         subprocess.run(cmd, check=True, env=env, timeout=1800)
         rows.append(json.loads(Path(out).read_text()))
@@ -202,6 +206,7 @@ def main(argv=None):
     device = "cuda" if args.accelerator == "gpu" else "cpu"
     path = write("ddp_step", device, rows, extra={"summary": summary, "world_size": args.devices,
                                                  "slices_guess": args.slices_guess,
+                                                 "gemm_path": args.gemm_path,
                                                  "model": f"emb-LN-MLP width {args.width}", "global_batch": args.batch},
                  path=args.results)
     print(f"wrote {path}")

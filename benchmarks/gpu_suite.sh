@@ -22,7 +22,7 @@ status=0
 # File, then the -k filter that selects its CUDA tests ("" = the whole file).
 for spec in "test_cuda_gemm:" "test_int_slices:cuda" "test_det_modules:cuda" "test_adamw_sr:cuda" "test_digest:cuda" \
             "test_digest_callback:cuda" "test_det_cross_entropy:cuda" "test_ops_api:" "test_gpt_char:cuda" \
-            "test_eager_rounding:cuda" "test_scatter_sum:cuda" "test_slices_guess:cuda"; do
+            "test_eager_rounding:cuda" "test_scatter_sum:cuda" "test_slices_guess:cuda" "test_crt_route:cuda"; do
   f=${spec%%:*} k=${spec#*:}
   line=$(python3 -m pytest -q -p no:cacheprovider "tests/$f.py" ${k:+-k "$k"} 2>&1 | tee -a "$OUT/cuda-pytest.log" | tail -1)
   rc=${PIPESTATUS[0]}

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import time_fn, write  # noqa: E402
 
 from lightning_det.nn import DetLinear  # noqa: E402
+from lightning_det.ops import gemm_path  # noqa: E402
 
 SHAPES = {"cuda": (8192, [(1024, 4096), (4096, 1024)]), "cpu": (512, [(256, 512)])}
 
@@ -120,6 +121,8 @@ def main(argv=None):
     p.add_argument("--shapes", default=None, help="comma-separated IN:OUT (default: 1024:4096,4096:1024 on GPU, "
                                                   "256:512 on CPU)")
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--gemm-path", default="auto",
+                   help="DetLinear's exact GEMM route (lightning_det.ops.gemm_path), e.g. slices_crt")
     p.add_argument("--out", default=None, help="results path (default: benchmarks/results/<device>-linear.json)")
     args = p.parse_args(argv)
     # the fp32 baseline is true fp32: TF32 would make nn.Linear faster and less accurate
@@ -131,8 +134,9 @@ def main(argv=None):
         shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
     rows = []
     for fin, fout in shapes:
-        m = {(k, d): measure(k, d, tokens, fin, fout, args.device, args.repeat)
-             for k in ("nn.Linear", "DetLinear") for d in (torch.float32, torch.bfloat16)}
+        with gemm_path(args.gemm_path):  # nn.Linear does not go through it
+            m = {(k, d): measure(k, d, tokens, fin, fout, args.device, args.repeat)
+                 for k in ("nn.Linear", "DetLinear") for d in (torch.float32, torch.bfloat16)}
         base = m[("nn.Linear", torch.float32)]
         for dtype in (torch.float32, torch.bfloat16):
             bf16 = m[("nn.Linear", torch.bfloat16)] if dtype == torch.bfloat16 else None
@@ -140,7 +144,7 @@ def main(argv=None):
             show(rows[-1])
     out = write("linear", args.device, rows, path=args.out,
                 extra={"tf32": False, "timed": "layer(x).backward(gy), x.requires_grad, median after warm-up",
-                       "repeat": args.repeat})
+                       "repeat": args.repeat, "gemm_path": args.gemm_path})
     print(f"wrote {out}")
 
 
