@@ -3,6 +3,7 @@ slices route at 4096^3 on random normal data. Not a benchmark (benchmarks/gemm.p
 the kernels that the timings of gemm.py add up.
 
     python3 benchmarks/profile_slices.py --out benchmarks/results/h200-slices-profile.json
+    python3 benchmarks/profile_slices.py --gemm-path slices_crt --out /tmp/crt-profile.json
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import header  # noqa: E402
-from lightning_det.ops import det_gemm, last_slices_plan, slices_guess  # noqa: E402
+from lightning_det.ops import det_gemm, gemm_path, last_slices_plan, slices_guess  # noqa: E402
 
 
 def kernel_table(prof, calls):
@@ -35,9 +36,17 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--gemm-path", default="slices", help="the exact route profiled (lightning_det.ops.gemm_path)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    out = {**header("cuda"), "n": a.n, "calls": a.calls, "cases": []}
+    out = {**header("cuda"), "n": a.n, "calls": a.calls, "gemm_path": a.gemm_path, "cases": []}
+    with gemm_path(a.gemm_path):
+        profile_cases(a, out)
+    Path(a.out).write_text(json.dumps(out, indent=1))
+
+
+def profile_cases(a, out):
+    """Profiles a.calls det_gemm calls per dtype at a.n^3 and appends each kernel table to out."""
     for dt in (torch.bfloat16, torch.float32):
         g = torch.Generator().manual_seed(1)
         x = torch.randn(a.n, a.n, generator=g).to(dt).cuda()
@@ -59,7 +68,6 @@ def main(argv=None):
         print(f"{case['dtype']}: {total:.0f} us of device time per call, plan {case['plan']}")
         for r in table[:12]:
             print(f"  {r['us_per_call']:9.1f} us  x{r['launches_per_call']:.0f}  {r['kernel'][:110]}")
-    Path(a.out).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
