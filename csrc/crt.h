@@ -15,8 +15,9 @@
 // terms, bias, the one rounding, the 128-bit proof) is unchanged: the bytes cannot move.
 //
 // The per-element and per-output functions are LDET_HD: the CPU backend and the CUDA kernels
-// (make_slices_kernel, the combine kernels) run the same code; the table is built on the host
-// and copied to each device once (csrc/cuda/int_slices_cuda.cu, crt_table_on).
+// (make_slices_kernel, the combine kernels) run the same code. Their constants for one call's Q
+// moduli (CrtConsts, < 1 KB) go to the kernels by value: kernel parameters sit in the constant
+// bank, and every thread reads the same modulus at the same time (a broadcast, no loads).
 #pragma once
 
 #include <cstdint>
@@ -28,7 +29,8 @@ namespace ldet {
 
 constexpr int kCrtMax = 15;  // moduli at most: 15 M < 2^122 (the reconstruction's S, in 128 bits)
 
-// Pairwise coprime moduli <= 2^bits, largest first (their product grows fastest).
+// Pairwise coprime moduli <= 2^bits, largest first (their product grows fastest); built once
+// on the host.
 struct CrtTable {
   int count;
   int64_t m[kCrtMax];
@@ -37,27 +39,24 @@ struct CrtTable {
   // cinv[q][t] = (M_q / m_t)^-1 mod m_t.
   u128 cof[kCrtMax + 1][kCrtMax];
   uint32_t cinv[kCrtMax + 1][kCrtMax];
-  double rinv[kCrtMax];    // 1 / m_t, rounded: the quotient's estimate
-  uint64_t fm[kCrtMax];    // fastmod's constants: 2^64 / m_t rounded up
-  uint32_t sm[kCrtMax];    // mod_small's constants: 2^32 / m_t rounded up
-  uint32_t pw[kCrtMax][kSliceMax];  // 2^(bits s) mod m_t: a slice's weight
+};
+
+// What one call with Q moduli needs of the table, per modulus t < count (by value: see above).
+struct CrtConsts {
+  int count;
+  uint32_t m[kCrtMax];
+  uint32_t sm[kCrtMax];     // mod_small's constant: 2^32 / m_t rounded up
+  uint32_t cinv[kCrtMax];   // (M / m_t)^-1 mod m_t
+  int32_t p16[kCrtMax];     // 2^16 mod m_t, symmetric (crt_mod_i32)
+  uint32_t pk[kCrtMax][2];  // 2^(bits s) mod m_t, symmetric, as int8 bytes: s = 0..3, 4..7 (crt_remainder)
+  double rinv[kCrtMax];     // 1 / m_t, rounded: the quotient's estimate
+  u128 cof[kCrtMax];        // M / m_t
+  u128 M;                   // m_0 ... m_(count-1)
 };
 
 inline int64_t crt_mod(int64_t v, int64_t m) {  // the table's set-up only
   const int64_t r = v % m;
   return r < 0 ? r + m : r;
-}
-
-// a mod d for any 32-bit a, with c = 2^64 / d rounded up: two multiplications instead of a
-// division (Lemire, Kaser, Kurz, "Faster remainder by direct computation", 2019: exact for every
-// 32-bit a and d). Here: each remainder sum c_t of the reconstruction (|c_t| < 2^31).
-LDET_HD uint32_t fastmod(uint32_t a, uint64_t c, uint32_t d) {
-  const uint64_t low = c * a;
-#if defined(__CUDA_ARCH__)
-  return uint32_t(__umul64hi(low, uint64_t(d)));
-#else
-  return uint32_t((u128(low) * d) >> 64);
-#endif
 }
 
 inline int64_t crt_inverse(int64_t a, int64_t m) {  // a^-1 mod m for gcd(a, m) = 1 (extended Euclid)
@@ -97,19 +96,44 @@ inline CrtTable make_crt_table(int bits) {
       t.cinv[q][i] = uint32_t(crt_inverse(int64_t(t.cof[q][i] % u128(t.m[i])), t.m[i]));
     }
   }
-  for (int i = 0; i < t.count; ++i) {
+  for (int i = 0; i < t.count; ++i)
     if (2 * t.m[i] <= (int64_t(1) << bits)) throw std::logic_error("crt table: a modulus at or below 2^(bits-1)");
-    t.rinv[i] = 1.0 / double(t.m[i]);
-    t.fm[i] = UINT64_MAX / uint64_t(t.m[i]) + 1;
-    t.sm[i] = uint32_t(UINT32_MAX / uint32_t(t.m[i]) + 1);
-    for (int s = 0; s < kSliceMax; ++s) t.pw[i][s] = uint32_t((u128(1) << (bits * s)) % u128(t.m[i]));
-  }
   return t;
+}
+
+// v mod m moved into [-m/2, m/2): for m <= 256 an int8 value.
+inline int32_t crt_symmetric(int64_t v, int64_t m) {
+  const int64_t r = crt_mod(v, m);
+  return int32_t(2 * r >= m ? r - m : r);
 }
 
 inline const CrtTable& crt_table(int bits) {
   static const CrtTable t7 = make_crt_table(7), t8 = make_crt_table(8);
   return bits == 7 ? t7 : t8;
+}
+
+// The constants of the first Q moduli of crt_table(bits), 1 <= Q <= its count.
+inline CrtConsts crt_consts(int bits, int Q) {
+  const CrtTable& t = crt_table(bits);
+  if (Q < 1 || Q > t.count) throw std::logic_error("crt_consts: moduli count out of range");
+  CrtConsts c{};
+  c.count = Q;
+  c.M = t.prod[Q];
+  for (int i = 0; i < Q; ++i) {
+    const int64_t m = t.m[i];
+    c.m[i] = uint32_t(m);
+    c.sm[i] = uint32_t(UINT32_MAX / uint32_t(m) + 1);
+    c.cinv[i] = t.cinv[Q][i];
+    c.cof[i] = t.cof[Q][i];
+    c.rinv[i] = 1.0 / double(m);
+    c.p16[i] = crt_symmetric(int64_t(1) << 16, m);
+    static_assert(kSliceMax == 8, "pk holds eight slice weights");
+    for (int s = 0; s < kSliceMax; ++s) {  // four int8 bytes a word
+      const int64_t w = crt_symmetric(int64_t((u128(1) << (bits * s)) % u128(m)), m);
+      c.pk[i][s / 4] |= uint32_t(uint8_t(int8_t(w))) << (8 * (s % 4));
+    }
+  }
+  return c;
 }
 
 // Moduli for the products of (Sa, Sb)-slice windows over K terms: the fewest whose product
@@ -126,32 +150,56 @@ inline int crt_moduli_needed(int64_t K, int Sa, int Sb, int bits) {
   return 0;
 }
 
-// a mod m for a < 2^20 and m <= 2^8, with c = 2^32 / m rounded up: the quotient (a c) >> 32 is
-// exact while a m < 2^32 (its error a (c - 2^32/m) / 2^32 < a / 2^32 stays below the distance
+// a mod m for a m < 2^32 (a < 2^24 for m <= 2^8), with c = 2^32 / m rounded up: the quotient
+// (a c) >> 32 is exact while a m < 2^32 (its error a (c - 2^32/m) / 2^32 < a / 2^32 stays below the distance
 // 1/m from a/m to the next integer), so one 32 x 32 -> 64 multiply and a multiply-subtract.
 LDET_HD uint32_t mod_small(uint32_t a, uint32_t m, uint32_t c) {
   return a - uint32_t((uint64_t(a) * c) >> 32) * m;
 }
 
-// The symmetric remainder modulo m_i of the integer with balanced digits d[s * dstride] (s < S;
-// X = sum_s d_s 2^(bits s), |d_s| <= 2^(bits-1)): sum_s d_s (2^(bits s) mod m_i) has
-// |.| < 8 2^(bits-1) 2^bits; adding m_i 2^11 (> 2^(bits + 10): every modulus is above 2^(bits-1),
-// bits <= 8) makes it non-negative and below 2^20 for mod_small; the result then moves into
-// [-(m_i/2), m_i/2), inside the digits' int8 range.
-LDET_HD int8_t crt_remainder(const int8_t* d, int64_t dstride, int S, int i, const CrtTable& t) {
-  const uint32_t m = uint32_t(t.m[i]);
-  int32_t sum = int32_t(m << 11);
-  for (int s = 0; s < S; ++s) sum += int32_t(d[s * dstride]) * int32_t(t.pw[i][s]);
-  const uint32_t r = mod_small(uint32_t(sum), m, t.sm[i]);
+// The balanced digits of X (slice_integer's, S <= kSliceMax, zeros above S) as two words of int8
+// bytes: digits 0..3 in lo, 4..7 in hi.
+LDET_HD void digit_words(int64_t X, int S, int bits, uint32_t* lo, uint32_t* hi) {
+  uint32_t w[2] = {0, 0};
+#pragma unroll
+  for (int s = 0; s < kSliceMax; ++s)
+    if (s < S) w[s / 4] |= uint32_t(uint8_t(next_digit(X, bits))) << (8 * (s % 4));
+  *lo = w[0];
+  *hi = w[1];
+}
+
+// c + the dot product of a's and b's four int8 bytes (CUDA's dp4a: one instruction).
+LDET_HD int32_t dot4_i8(uint32_t a, uint32_t b, int32_t c) {
+#if defined(__CUDA_ARCH__)
+  return __dp4a(int(a), int(b), c);
+#else
+  for (int e = 0; e < 4; ++e) c += int32_t(int8_t(a >> (8 * e))) * int32_t(int8_t(b >> (8 * e)));
+  return c;
+#endif
+}
+
+// r in [0, m) moved into [-(m/2), m/2) (as an int8: m <= 2^8).
+LDET_HD int8_t crt_to_symmetric(uint32_t r, uint32_t m) {
   return int8_t(r >= (m + 1) / 2 ? int32_t(r) - int32_t(m) : int32_t(r));
 }
 
-// The remainder planes of one row: for each of its K integers with digits d[s * K + k], the
-// remainder modulo m_i into out[i * stride + k], i < Q (the loop over k has no dependences).
-inline void crt_remainder_planes(const int8_t* d, int64_t K, int S, int Q, const CrtTable& t, int8_t* out,
-                                 int64_t stride) {
-  for (int i = 0; i < Q; ++i)
-    for (int64_t k = 0; k < K; ++k) out[i * stride + k] = crt_remainder(d + k, K, S, i, t);
+// The symmetric remainder modulo m_i of X = sum_s d_s 2^(bits s) from its digit words
+// (digit_words): sum_s d_s w_s with w_s = 2^(bits s) mod m_i taken symmetric, |d_s|, |w_s| <=
+// 2^(bits-1), has |.| <= 8 2^(2 bits - 2) = 2^(2 bits + 1); adding m_i 2^11 (> 2^(bits + 10), every
+// modulus being above 2^(bits-1)) makes it non-negative and below 2^20 for bits <= 8 (mod_small).
+LDET_HD int8_t crt_remainder(uint32_t lo, uint32_t hi, int i, const CrtConsts& t) {
+  const uint32_t m = t.m[i];
+  const int32_t sum = dot4_i8(lo, t.pk[i][0], dot4_i8(hi, t.pk[i][1], int32_t(m << 11)));
+  return crt_to_symmetric(mod_small(uint32_t(sum), m, t.sm[i]), m);
+}
+
+// c mod m_i in [0, m_i) for any int32 c: c = h 2^16 + l with h = c >> 16 (arithmetic, |h| <= 2^15)
+// and l < 2^16; h (2^16 mod m_i, symmetric: |.| <= 2^22) + l + m_i 2^15 (> 2^22) is non-negative
+// and below 2^24, where mod_small is exact (a m < 2^32). 32-bit operations only.
+LDET_HD uint32_t crt_mod_i32(int32_t c, int i, const CrtConsts& t) {
+  const uint32_t m = t.m[i];
+  const int32_t a = (c >> 16) * t.p16[i] + (c & 0xffff) + int32_t(m << 15);
+  return mod_small(uint32_t(a), m, t.sm[i]);
 }
 
 // P from its Q int32 remainder sums c[t * pstride] (t < Q), by the explicit CRT: with r_t = c_t
@@ -160,26 +208,25 @@ inline void crt_remainder_planes(const int8_t* d, int64_t K, int S, int Q, const
 // estimated in fp64 (error below Q 2^-50, far under 1/2), then the exact 128-bit fix-up moves the
 // result into [-M/2, M/2), where |P| < M/2 lies (crt_moduli_needed). O(Q) work per output, where
 // Garner's mixed radix took Q^2/2 dependent remainders (NOTES, session 11).
-LDET_HD i128 crt_value(const int32_t* c, int64_t pstride, int Q, const CrtTable& t) {
+LDET_HD i128 crt_value(const int32_t* c, int64_t pstride, const CrtConsts& t) {
   u128 S = 0;
   double f = 0.0;
-  for (int i = 0; i < Q; ++i) {
-    const uint32_t mi = uint32_t(t.m[i]);
-    const int32_t ci = c[i * pstride];
-    // |ci| < 2^31: its magnitude's remainder, negated for a negative sum
-    uint32_t r = fastmod(ci < 0 ? uint32_t(-int64_t(ci)) : uint32_t(ci), t.fm[i], mi);
-    if (ci < 0 && r != 0) r = mi - r;
-    const uint32_t y = mod_small(r * t.cinv[Q][i], mi, t.sm[i]);  // both below 2^8
-    S += t.cof[Q][i] * y;  // each term below M: S < Q M < 2^122
-    f += double(y) * t.rinv[i];
+  // unrolled to the table's size: each modulus's constants are then fixed kernel-parameter slots
+#pragma unroll
+  for (int i = 0; i < kCrtMax; ++i) {
+    if (i < t.count) {
+      const uint32_t mi = t.m[i];
+      const uint32_t y = mod_small(crt_mod_i32(c[i * pstride], i, t) * t.cinv[i], mi, t.sm[i]);  // both < 2^8
+      S += t.cof[i] * y;  // each term below M: S < Q M < 2^122
+      f += double(y) * t.rinv[i];
+    }
   }
-  const u128 M = t.prod[Q];
-  i128 P = i128(S) - i128(M) * i128(uint64_t(f + 0.5));
+  i128 P = i128(S) - i128(t.M) * i128(uint64_t(f + 0.5));
   // The estimate can miss only where S / M lies within ~2^-47 of a half-integer, i.e. |P| within
   // 2^-46 of M/2: then k is one off and one of these moves P back (no test data reaches them;
   // they keep the result exact regardless of the estimate, |P| < 3/2 M before them).
-  if (2 * P >= i128(M)) P -= i128(M);
-  if (2 * P < -i128(M)) P += i128(M);
+  if (2 * P >= i128(t.M)) P -= i128(t.M);
+  if (2 * P < -i128(t.M)) P += i128(t.M);
   return P;
 }
 

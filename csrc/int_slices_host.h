@@ -95,7 +95,9 @@ struct PendingSummary {
 // c (m, n) int32 with row stride ldc = a (m, k) . b (n, k)^T, a and b int8 row-major with row
 // strides lda, ldb (unit column stride). Raw pointers into the slices and diagonals: a slice GEMM
 // makes 9-27 of these, and three tensor views for each were most of its host-side aten ops (the
-// det_ddp step is host-bound: NOTES "Session 9").
+// det_ddp step is host-bound: NOTES "Session 9"). batch > 1: that many such GEMMs, the i-th on
+// a + i sa, b + i sb, c + i sc (the CRT route's moduli: one launch where cuBLASLt fills the GPU
+// with all of their tiles at once).
 struct Int8Gemm {
   const int8_t* a;
   int64_t lda;
@@ -104,16 +106,19 @@ struct Int8Gemm {
   int32_t* c;
   int64_t ldc;
   int64_t m, n, k;
+  int64_t batch = 1, sa = 0, sb = 0, sc = 0;
 };
 
-// at::_int_mm_out on views of g's operands: the CPU's int8 GEMM (oneDNN), and CUDA's
-// LIGHTNING_DET_INT8_GEMM=torch route.
+// at::_int_mm_out on views of g's operands, one batch entry at a time: the CPU's int8 GEMM
+// (oneDNN), and CUDA's LIGHTNING_DET_INT8_GEMM=torch route.
 inline void int8_mm_aten(const Int8Gemm& g, const at::Device& device) {
   const auto opt = at::TensorOptions().dtype(at::kChar).device(device);
-  const at::Tensor a = at::from_blob(const_cast<int8_t*>(g.a), {g.m, g.k}, {g.lda, 1}, opt);
-  const at::Tensor b = at::from_blob(const_cast<int8_t*>(g.b), {g.n, g.k}, {g.ldb, 1}, opt);
-  at::Tensor out = at::from_blob(g.c, {g.m, g.n}, {g.ldc, 1}, opt.dtype(at::kInt));
-  at::_int_mm_out(out, a, b.t());
+  for (int64_t i = 0; i < g.batch; ++i) {
+    const at::Tensor a = at::from_blob(const_cast<int8_t*>(g.a + i * g.sa), {g.m, g.k}, {g.lda, 1}, opt);
+    const at::Tensor b = at::from_blob(const_cast<int8_t*>(g.b + i * g.sb), {g.n, g.k}, {g.ldb, 1}, opt);
+    at::Tensor out = at::from_blob(g.c + i * g.sc, {g.m, g.n}, {g.ldc, 1}, opt.dtype(at::kInt));
+    at::_int_mm_out(out, a, b.t());
+  }
 }
 
 struct SliceBackend {
@@ -434,7 +439,7 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
   if (const char* env = std::getenv("LIGHTNING_DET_SLICES_CHUNK_MIB")) cap_mib = std::max<int64_t>(1, std::atoll(env));
   const auto [Nc, Np] = chunk_columns(N, Mp, P, cap_mib, be.chunk_max_outputs);
   // LIGHTNING_DET_SLICES_CONTIGUOUS=1 hands each diagonal's operands to the int8 GEMM as contiguous
-  // copies instead of column views (benchmarks: which kernels cuBLASLt then picks).
+  // copies instead of column views (benchmarks: which kernels cuBLASLt then picks; diagonals only).
   const char* contig_env = std::getenv("LIGHTNING_DET_SLICES_CONTIGUOUS");
   const bool contig = contig_env != nullptr && std::string(contig_env) == "1";
 
@@ -453,28 +458,26 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
     const int64_t ncp = std::min(Nc, Np - n0), nv = std::min(Nc, N - n0);
     at::Tensor C = uninit({P, Mp, ncp}, x.options().dtype(at::kInt));  // each diagonal's GEMM writes all of it
     int32_t* Cq = C.numel() ? C.data_ptr<int32_t>() : nullptr;
-    // one int8 GEMM per (K-chunk, diagonal), or per modulus
-    for (int64_t c = 0; c < (Q > 0 ? Q : nch); ++c) {
-      for (int64_t d = 0; d < (Q > 0 ? 1 : D); ++d) {
-        int64_t xcol = c * Kc, wcol = c * Kc, klen = Kc, plane = c;
-        if (Q == 0) {
+    if (Q > 0) {  // one batched int8 GEMM: modulus t's planes at columns t * Kc, its sums at plane t
+      be.int8_mm(Int8Gemm{xq, ldx, wq + n0 * ldw, ldw, Cq, ncp, Mp, ncp, Kc, Q, Kc, Kc, Mp * ncp}, x.device());
+    } else {  // one int8 GEMM per (K-chunk, diagonal)
+      for (int64_t c = 0; c < nch; ++c) {
+        for (int64_t d = 0; d < D; ++d) {
           const int64_t i0 = std::max<int64_t>(0, d - (Sw - 1)), i1 = std::min<int64_t>(d, Sx - 1);
           // x slices i0..i1 and w slices d-i0 .. d-i1, whose reversed slots are contiguous too
-          xcol = (c * Sx + i0) * Kc;
-          wcol = (c * Sw + (Sw - 1 - d + i0)) * Kc;
-          klen = (i1 - i0 + 1) * Kc;
-          plane = c * D + d;
+          const int64_t xcol = (c * Sx + i0) * Kc, wcol = (c * Sw + (Sw - 1 - d + i0)) * Kc;
+          const int64_t klen = (i1 - i0 + 1) * Kc, plane = c * D + d;
+          Int8Gemm g{xq + xcol, ldx, wq + n0 * ldw + wcol, ldw, Cq + plane * Mp * ncp, ncp, Mp, ncp, klen};
+          at::Tensor a_copy, b_copy;  // stream-ordered: they may be freed once the GEMM is queued
+          if (contig) {  // the benchmarks' variant: contiguous copies of both operands
+            a_copy = xs.narrow(1, xcol, klen).contiguous();
+            b_copy = ws.narrow(0, n0, ncp).narrow(1, wcol, klen).contiguous();
+            g.a = a_copy.data_ptr<int8_t>();
+            g.b = b_copy.data_ptr<int8_t>();
+            g.lda = g.ldb = klen;
+          }
+          be.int8_mm(g, x.device());
         }
-        Int8Gemm g{xq + xcol, ldx, wq + n0 * ldw + wcol, ldw, Cq + plane * Mp * ncp, ncp, Mp, ncp, klen};
-        at::Tensor a_copy, b_copy;  // stream-ordered: they may be freed once the GEMM is queued
-        if (contig) {  // the benchmarks' variant: contiguous copies of both operands
-          a_copy = xs.narrow(1, xcol, klen).contiguous();
-          b_copy = ws.narrow(0, n0, ncp).narrow(1, wcol, klen).contiguous();
-          g.a = a_copy.data_ptr<int8_t>();
-          g.b = b_copy.data_ptr<int8_t>();
-          g.lda = g.ldb = klen;
-        }
-        be.int8_mm(g, x.device());
       }
     }
     const bool whole = n0 == 0 && nv == N;

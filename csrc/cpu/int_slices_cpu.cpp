@@ -86,7 +86,7 @@ SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64
                              int64_t Kc, int64_t nch, int64_t Rp, bool residues, const at::Tensor& left,
                              int64_t moduli) {
   const int64_t R = a.size(0), K = a.size(1), width = moduli > 0 ? moduli * Kc : nch * S * Kc;
-  const CrtTable& crt = crt_table(int(bits));
+  const CrtConsts crt = moduli > 0 ? crt_consts(int(bits), int(moduli)) : CrtConsts{};
   SliceOperand so = new_slice_operand(a, Rp, width, residues, /*zero_fill=*/true);
   const int32_t* nd = needs.data_ptr<int32_t>();
   int8_t* o = so.q.data_ptr<int8_t>();
@@ -100,7 +100,6 @@ SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "make_slices_cpu", [&] {
     const scalar_t* p = a.data_ptr<scalar_t>();
     at::parallel_for(0, R, 16, [&](int64_t b, int64_t e) {
-      std::vector<int8_t> dig(moduli > 0 ? S * K : 0);  // the CRT route: a row's digits, slice-major
       for (int64_t r = b; r < e; ++r) {
         const int need = nd[3 * r + 1];
         if (need == 0 || need > S) continue;  // zero row, or left to the long-accumulator kernel
@@ -113,8 +112,10 @@ SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64
           for (int64_t k = c * Kc, kk = 0; k < std::min(K, (c + 1) * Kc); ++k, ++kk) {
             const double v = static_cast<double>(p[r * K + k]);
             const int64_t X = window_integer(v, s);
-            if (moduli > 0) {  // the CRT route (crt.h): digits first, remainder planes below
-              slice_integer(X, int(S), int(bits), dig.data() + k, K);
+            if (moduli > 0) {  // the CRT route (crt.h): plane t at columns [t * Kc, +Kc) (nch == 1)
+              uint32_t lo, hi;
+              digit_words(X, int(S), int(bits), &lo, &hi);
+              for (int t = 0; t < int(moduli); ++t) o[r * width + t * Kc + kk] = crt_remainder(lo, hi, t, crt);
             } else {
               slice_integer(X, int(S), int(bits), base + kk, step);
             }
@@ -126,8 +127,6 @@ SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64
             }
           }
         }
-        if (moduli > 0)  // plane t at columns [t * Kc, +Kc) (nch == 1)
-          crt_remainder_planes(dig.data(), K, int(S), int(moduli), crt, o + r * width, Kc);
         if (residues) {
           rc[r] = nres;
           Fo[r] = nres > 0 ? (nd[3 * r] + 3 - int(bits * S)) - nd[3 * r + 2] : 0;
@@ -159,6 +158,7 @@ struct CombineView {
   const int32_t* c;
   int64_t pstride, Ncp, Nv;
   int nch, D, bits, fmt, moduli;  // moduli > 0: c holds remainder sums (crt.h), not diagonals
+  CrtConsts crt;                  // their moduli
   bool wide, digits;
   const int32_t *sx, *sw;
   Residues rx, rw;
@@ -181,7 +181,7 @@ void combine_rows(const CombineView& v, int64_t b, int64_t e) {
       const ResidueTerms terms{v.rx, v.ex, v.sx[m], m, v.rw, v.ew, n};
       const int64_t i = m * v.Nv + n;
       if (v.moduli > 0) {  // the CRT route: the same integer, reconstructed (crt.h)
-        const i128 P = crt_value(cp, v.pstride, v.moduli, crt_table(v.bits));
+        const i128 P = crt_value(cp, v.pstride, v.crt);
         float val;
         combine_output_value(P, E, F, bn, v.wide, v.fmt, terms, v.digits ? nullptr : &val,
                              v.digits ? static_cast<int64_t*>(v.out) + i * LDET_WORDS : nullptr);
@@ -220,9 +220,9 @@ at::Tensor combine_cpu(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOp
                           : uninit({M, Nv}, C.options().dtype(out_dtype));
   const at::Tensor shw_c = w.sh.contiguous();
   const CombineView v{C.data_ptr<int32_t>(), Mp * Ncp, Ncp, Nv, D > 0 && moduli == 0 ? int(P / D) : 0, int(D),
-                      int(bits), fmt, int(moduli), wide, digits, x.sh.data_ptr<int32_t>(), shw_c.data_ptr<int32_t>(), residues_of(x),
-                      residues_of(w), elems_of(x.a), elems_of(w.a), bias.defined() ? bias.data_ptr<double>() : nullptr,
-                      out.data_ptr()};
+                      int(bits), fmt, int(moduli), moduli > 0 ? crt_consts(int(bits), int(moduli)) : CrtConsts{},
+                      wide, digits, x.sh.data_ptr<int32_t>(), shw_c.data_ptr<int32_t>(), residues_of(x), residues_of(w),
+                      elems_of(x.a), elems_of(w.a), bias.defined() ? bias.data_ptr<double>() : nullptr, out.data_ptr()};
   at::parallel_for(0, M, 8, [&](int64_t b, int64_t e) { combine_rows_for(v, b, e); });
   return out;
 }

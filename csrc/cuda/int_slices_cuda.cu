@@ -103,8 +103,9 @@ __global__ void make_slices_kernel(const T* __restrict__ a, const int32_t* __res
                                    int64_t K, int S, int bits, bool reverse, int64_t Kc, int64_t nch,
                                    int8_t* __restrict__ out, int32_t* __restrict__ sh, int32_t* __restrict__ rcount,
                                    int32_t* __restrict__ ridx, double* __restrict__ rval, int32_t* __restrict__ F,
-                                   int32_t* __restrict__ left, int Q, const CrtTable* __restrict__ crt) {
+                                   int32_t* __restrict__ left, CrtConsts crt) {
   // Q > 0 (the CRT way, crt.h; nch == 1): Q remainder planes instead of S slices
+  const int Q = crt.count;
   const int64_t Kp = nch * Kc, width = Kp * (Q > 0 ? Q : S);
   const int64_t step = reverse ? -Kc : Kc;
   for (int64_t r = blockIdx.y; r < Rp; r += gridDim.y) {
@@ -141,12 +142,11 @@ __global__ void make_slices_kernel(const T* __restrict__ a, const int32_t* __res
             }
           }
           if constexpr (kCrt) {  // the digits, then their remainders modulo Q moduli (crt.h)
-            int8_t d[kSliceMax];
-#pragma unroll
-            for (int q = 0; q < kSliceMax; ++q) d[q] = q < S ? next_digit(X, bits) : int8_t(0);
+            uint32_t lo, hi;
+            digit_words(X, S, bits, &lo, &hi);
 #pragma unroll
             for (int t = 0; t < kCrtMax; ++t)
-              if (t < Q) words[t] |= uint32_t(uint8_t(crt_remainder(d, 1, S, t, *crt))) << (8 * e);
+              if (t < Q) words[t] |= uint32_t(uint8_t(crt_remainder(lo, hi, t, crt))) << (8 * e);
           } else {
 #pragma unroll
             for (int q = 0; q < kSliceMax; ++q)
@@ -184,8 +184,7 @@ __global__ void __launch_bounds__(kThreads) combine_fast_kernel(const int32_t* _
                                                                KernelOperand w, const double* __restrict__ bias, int D,
                                                                int bits, int fmt, void* __restrict__ out,
                                                                int64_t* __restrict__ list, int32_t* __restrict__ count,
-                                                               int64_t cap, WideCheck check, int Q,
-                                                               const CrtTable* __restrict__ crt) {
+                                                               int64_t cap, WideCheck check, CrtConsts crt) {
   if (check.sums != nullptr &&
       !slices_wide(check.sums, check.sums + kSumLen, check.Sx, check.Sw, check.nch, check.Kc, bits)) {
     // a guessed plan the 128-bit sum is not proven for: every output to combine_rest_kernel
@@ -205,7 +204,7 @@ __global__ void __launch_bounds__(kThreads) combine_fast_kernel(const int32_t* _
       if constexpr (DC > 0) {  // the diagonals' common case: no CRT code in these instances
         T = diagonal_sum<DC>(cp, Mp * Ncp, nch, D, bits);
       } else {
-        T = Q > 0 ? u128(crt_value(cp, Mp * Ncp, Q, *crt)) : diagonal_sum<0>(cp, Mp * Ncp, nch, D, bits);
+        T = crt.count > 0 ? u128(crt_value(cp, Mp * Ncp, crt)) : diagonal_sum<0>(cp, Mp * Ncp, nch, D, bits);
       }
       const bool ok = finish_output_fast(T, -(shx + w.sh[n]), Fx + (w.res.F ? w.res.F[n] : 0),
                                          bias ? bias + n : nullptr, fmt, terms, &v);
@@ -226,7 +225,7 @@ __global__ void combine_rest_kernel(const int32_t* __restrict__ C, int nch, int6
                                     int64_t Nv, KernelOperand x, KernelOperand w, const double* __restrict__ bias,
                                     int D, int bits, bool digits, int fmt, void* __restrict__ out,
                                     const int64_t* __restrict__ list, const int32_t* __restrict__ count, int64_t cap,
-                                    int Q, const CrtTable* __restrict__ crt) {
+                                    CrtConsts crt) {
   int64_t items = M * Nv;
   bool listed = false;
   if (list != nullptr) {
@@ -243,8 +242,8 @@ __global__ void combine_rest_kernel(const int32_t* __restrict__ C, int nch, int6
     const double* bn = bias ? bias + n : nullptr;
     int64_t* acc_out = digits ? static_cast<int64_t*>(out) + i * LDET_WORDS : nullptr;
     float v;
-    if (Q > 0) {  // the CRT way: the reconstructed integer into the digits (wide = false)
-      combine_output_value(crt_value(cp, Mp * Ncp, Q, *crt), -(shx + w.sh[n]), 0, bn, false, fmt, terms,
+    if (crt.count > 0) {  // the CRT way: the reconstructed integer into the digits (wide = false)
+      combine_output_value(crt_value(cp, Mp * Ncp, crt), -(shx + w.sh[n]), 0, bn, false, fmt, terms,
                            digits ? nullptr : &v, acc_out);
     } else {
       combine_output_digits(cp, Mp * Ncp, nch, D, bits, -(shx + w.sh[n]), bn, fmt, terms, digits ? nullptr : &v,
@@ -259,18 +258,18 @@ template <int DC = kMaxDiagonals>
 void launch_combine_fast(int D, int nch, dim3 grid, cudaStream_t stream, const int32_t* C, int64_t Mp, int64_t Ncp,
                          int64_t M, int64_t Nv, const KernelOperand& x, const KernelOperand& w, const double* bias,
                          int bits, int fmt, void* out, int64_t* list, int32_t* count, int64_t cap,
-                         const WideCheck& check, int Q, const CrtTable* crt) {
+                         const WideCheck& check, const CrtConsts& crt) {
   if constexpr (DC > 0) {
-    if (Q == 0 && nch == 1 && D == DC) {
+    if (crt.count == 0 && nch == 1 && D == DC) {
       combine_fast_kernel<DC><<<grid, kThreads, 0, stream>>>(C, nch, Mp, Ncp, M, Nv, x, w, bias, D, bits, fmt, out,
-                                                             list, count, cap, check, 0, nullptr);
+                                                             list, count, cap, check, crt);
       return;
     }
     launch_combine_fast<DC - 1>(D, nch, grid, stream, C, Mp, Ncp, M, Nv, x, w, bias, bits, fmt, out, list, count, cap,
-                                check, Q, crt);
+                                check, crt);
   } else {
     combine_fast_kernel<0><<<grid, kThreads, 0, stream>>>(C, nch, Mp, Ncp, M, Nv, x, w, bias, D, bits, fmt, out, list,
-                                                          count, cap, check, Q, crt);
+                                                          count, cap, check, crt);
   }
 }
 
@@ -310,24 +309,6 @@ at::Tensor row_needs_cuda(const at::Tensor& a, int64_t bits, at::Tensor& sum) {
   return out;
 }
 
-// crt.h's table for 8-bit digits on `device`: built on the host, copied once per device (the
-// kernels read their moduli's constants from it; ~6 KB, kept for the process).
-const CrtTable* crt_table_on(const at::Device& device) {
-  static std::mutex mu;
-  static std::unordered_map<int, at::Tensor> tables;
-  std::lock_guard<std::mutex> lock(mu);
-  at::Tensor& t = tables[device.index()];
-  if (!t.defined()) {
-    const CrtTable& host = crt_table(8);
-    const at::Tensor bytes = at::from_blob(const_cast<CrtTable*>(&host), {int64_t(sizeof(CrtTable))},
-                                           at::TensorOptions().dtype(at::kByte));
-    t = bytes.to(device);
-    // once per device and process: wait for the copy, so kernels on any stream see the table
-    c10::cuda::getCurrentCUDAStream(device.index()).synchronize();
-  }
-  return reinterpret_cast<const CrtTable*>(t.data_ptr());
-}
-
 SliceOperand make_slices_cuda(const at::Tensor& a, const at::Tensor& needs, int64_t S, int64_t bits, bool reverse,
                               int64_t Kc, int64_t nch, int64_t Rp, bool residues, const at::Tensor& left,
                               int64_t moduli) {
@@ -347,7 +328,7 @@ SliceOperand make_slices_cuda(const at::Tensor& a, const at::Tensor& needs, int6
         so.sh.data_ptr<int32_t>(), residues ? so.rcount.data_ptr<int32_t>() : nullptr,
         residues ? so.ridx.data_ptr<int32_t>() : nullptr, residues ? so.rval.data_ptr<double>() : nullptr,
         residues ? so.F.data_ptr<int32_t>() : nullptr, left.defined() ? left.data_ptr<int32_t>() : nullptr,
-        int(moduli), moduli > 0 ? crt_table_on(a.device()) : nullptr);
+        moduli > 0 ? crt_consts(int(bits), int(moduli)) : CrtConsts{});
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return so;
@@ -371,7 +352,7 @@ KernelOperand kernel_operand(const SliceOperand& o, const at::Tensor& sh_c) {
 at::Tensor combine_cuda(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOperand& x, const SliceOperand& w,
                         const at::Tensor& bias, int64_t D, int64_t bits, bool wide_ok, const WideCheck& check,
                         bool digits, at::ScalarType out_dtype, int64_t moduli) {
-  const CrtTable* crt = moduli > 0 ? crt_table_on(C.device()) : nullptr;
+  const CrtConsts crt = moduli > 0 ? crt_consts(int(bits), int(moduli)) : CrtConsts{};
   const int fmt = out_format(out_dtype);
   // every output: by the 128-bit kernel, or listed (or all, past the list) for combine_rest_kernel
   at::Tensor out = digits ? uninit({M, Nv, LDET_WORDS}, C.options().dtype(at::kLong))
@@ -391,19 +372,18 @@ at::Tensor combine_cuda(const at::Tensor& C, int64_t M, int64_t Nv, const SliceO
       at::Tensor count = at::zeros({1}, C.options().dtype(at::kInt));
       at::Tensor list = uninit({cap}, C.options().dtype(at::kLong));  // read below the count only
       launch_combine_fast(int(D), nch, grid, stream, Cp, C.size(1), C.size(2), M, Nv, xo, wo, bp, int(bits), fmt,
-                          out.data_ptr(), list.data_ptr<int64_t>(), count.data_ptr<int32_t>(), cap, check,
-                          int(moduli), crt);
+                          out.data_ptr(), list.data_ptr<int64_t>(), count.data_ptr<int32_t>(), cap, check, crt);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       // sized for the list: when nothing was left, its blocks read the count and return
       const unsigned rest_grid = unsigned(std::min<int64_t>((cap + kThreads - 1) / kThreads, 1024));
       combine_rest_kernel<<<rest_grid, kThreads, 0, stream>>>(Cp, nch, C.size(1), C.size(2), M, Nv, xo, wo, bp, int(D),
                                                               int(bits), false, fmt, out.data_ptr(),
                                                               list.data_ptr<int64_t>(), count.data_ptr<int32_t>(), cap,
-                                                              int(moduli), crt);
+                                                              crt);
     } else {
       combine_rest_kernel<<<grid_for(M * Nv), kThreads, 0, stream>>>(Cp, nch, C.size(1), C.size(2), M, Nv, xo, wo, bp,
                                                                     int(D), int(bits), digits, fmt, out.data_ptr(),
-                                                                    nullptr, nullptr, 0, int(moduli), crt);
+                                                                    nullptr, nullptr, 0, crt);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
