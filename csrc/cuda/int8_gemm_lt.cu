@@ -4,8 +4,8 @@
 // on every call: ~85 us of host time per GEMM (det_ddp step profile, NOTES "Session 8"), more
 // than the GEMM itself takes on the GPU for the training step's shapes, and a slice GEMM makes
 // 9-27 of them. Here the descriptors and the heuristic's first choice are kept per (shape,
-// strides, alignment, device); a call then costs one cublasLtMatmul. Same kernels: the
-// heuristic's first choice is what cublasLtMatmul picks for a null algorithm.
+// strides, alignment, device); a call then costs one cublasLtMatmul. The algorithm: the fastest
+// of the heuristic's first choices, timed once per plan (tune, below).
 #include "cuda/int8_gemm_lt.h"
 
 #include <ATen/cuda/CUDAContextLight.h>
@@ -46,11 +46,15 @@ struct LtKeyHash {
   }
 };
 
+constexpr int kCandidates = 8;  // the heuristic's first choices, timed once per plan (tune)
+
 struct LtPlan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo;
   bool have_algo = false;
+  cublasLtMatmulAlgo_t candidates[kCandidates];
+  int n_candidates = 0;
 };
 
 // The largest power of two (<= 256) dividing the address and, for a batch, the byte offset
@@ -93,16 +97,64 @@ LtPlan make_plan(const LtKey& key) {
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b));
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c));
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c));
-  cublasLtMatmulHeuristicResult_t res;
+  cublasLtMatmulHeuristicResult_t res[kCandidates];
   int found = 0;
   const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(at::cuda::getCurrentCUDABlasLtHandle(), p.op, p.a, p.b,
-                                                           p.c, p.c, pref, 1, &res, &found);
+                                                           p.c, p.c, pref, kCandidates, res, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
-    p.algo = res.algo;
+    p.algo = res[0].algo;
     p.have_algo = true;  // else cublasLtMatmul chooses per call, as at::_int_mm does
+    for (int i = 0; i < found; ++i)
+      if (res[i].state == CUBLAS_STATUS_SUCCESS) p.candidates[p.n_candidates++] = res[i].algo;
   }
   return p;
+}
+
+cublasStatus_t run(const LtPlan& p, const cublasLtMatmulAlgo_t* algo, const Int8Gemm& g, cudaStream_t stream) {
+  const int32_t alpha = 1, beta = 0;
+  return cublasLtMatmul(at::cuda::getCurrentCUDABlasLtHandle(), p.op, &alpha, g.b, p.a, g.a, p.b, &beta, g.c, p.c,
+                        g.c, p.c, algo, nullptr, 0, stream);
+}
+
+// Why: the heuristic's first choice is not always its fastest. For the CRT route's batched GEMM
+// (12 x 4096 x 1032 x 4096) it picked an sm80 kernel at ~2.2x the time of twelve separate sm90
+// launches (NOTES, session 12). So each new plan times its candidates once, on the call's own
+// operands (each writes the same exact int32 sums: the choice cannot change a byte), and keeps
+// the fastest: one host synchronization per shape and process. Not while the stream is being
+// captured into a graph; LIGHTNING_DET_INT8_GEMM_TUNE=0 keeps the heuristic's first choice.
+void tune(LtPlan& p, const Int8Gemm& g, cudaStream_t stream) {
+  static const bool enabled = [] {
+    const char* env = std::getenv("LIGHTNING_DET_INT8_GEMM_TUNE");
+    return env == nullptr || std::string(env) != "0";
+  }();
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (!enabled || p.n_candidates < 2 || cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+      capture != cudaStreamCaptureStatusNone)
+    return;
+  cudaEvent_t start, stop;
+  if (cudaEventCreate(&start) != cudaSuccess) return;
+  if (cudaEventCreate(&stop) != cudaSuccess) {
+    cudaEventDestroy(start);
+    return;
+  }
+  float best = 0.0f;
+  int best_i = -1;
+  for (int i = 0; i < p.n_candidates; ++i) {
+    if (run(p, &p.candidates[i], g, stream) != CUBLAS_STATUS_SUCCESS) continue;  // warm-up; skip one that cannot run
+    cudaEventRecord(start, stream);
+    for (int r = 0; r < 2; ++r) run(p, &p.candidates[i], g, stream);
+    cudaEventRecord(stop, stream);
+    float ms = 0.0f;
+    if (cudaEventSynchronize(stop) != cudaSuccess || cudaEventElapsedTime(&ms, start, stop) != cudaSuccess) continue;
+    if (best_i < 0 || ms < best) {
+      best = ms;
+      best_i = i;
+    }
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  if (best_i >= 0) p.algo = p.candidates[best_i];
 }
 
 bool use_torch_route() {
@@ -139,6 +191,7 @@ void int8_gemm_lt(const Int8Gemm& g, const at::Device& device) {
     } else {
       c10::cuda::CUDAGuard guard(device);
       plan = make_plan(key);
+      tune(plan, g, c10::cuda::getCurrentCUDAStream());
       if (cache.size() < kCacheCap) {
         cache.emplace(key, plan);  // entries live as long as the process
       } else {
@@ -146,11 +199,7 @@ void int8_gemm_lt(const Int8Gemm& g, const at::Device& device) {
       }
     }
   }
-  const int32_t alpha = 1, beta = 0;
-  LDET_LT_CHECK(cublasLtMatmul(at::cuda::getCurrentCUDABlasLtHandle(), plan.op, &alpha, g.b, plan.a, g.a, plan.b,
-                               &beta, g.c, plan.c, g.c, plan.c,
-                               plan.have_algo ? &plan.algo : nullptr, nullptr, 0,
-                               c10::cuda::getCurrentCUDAStream()),
+  LDET_LT_CHECK(run(plan, plan.have_algo ? &plan.algo : nullptr, g, c10::cuda::getCurrentCUDAStream()),
                 "cublasLtMatmul");
   if (!cached) {
     cublasLtMatrixLayoutDestroy(plan.a);
