@@ -95,9 +95,7 @@ struct PendingSummary {
 // c (m, n) int32 with row stride ldc = a (m, k) . b (n, k)^T, a and b int8 row-major with row
 // strides lda, ldb (unit column stride). Raw pointers into the slices and diagonals: a slice GEMM
 // makes 9-27 of these, and three tensor views for each were most of its host-side aten ops (the
-// det_ddp step is host-bound: NOTES "Session 9"). batch > 1: that many such GEMMs, the i-th on
-// a + i sa, b + i sb, c + i sc (the CRT route's moduli: one launch where cuBLASLt fills the GPU
-// with all of their tiles at once).
+// det_ddp step is host-bound: NOTES "Session 9").
 struct Int8Gemm {
   const int8_t* a;
   int64_t lda;
@@ -106,19 +104,16 @@ struct Int8Gemm {
   int32_t* c;
   int64_t ldc;
   int64_t m, n, k;
-  int64_t batch = 1, sa = 0, sb = 0, sc = 0;
 };
 
-// at::_int_mm_out on views of g's operands, one batch entry at a time: the CPU's int8 GEMM
-// (oneDNN), and CUDA's LIGHTNING_DET_INT8_GEMM=torch route.
+// at::_int_mm_out on views of g's operands: the CPU's int8 GEMM (oneDNN), and CUDA's
+// LIGHTNING_DET_INT8_GEMM=torch route.
 inline void int8_mm_aten(const Int8Gemm& g, const at::Device& device) {
   const auto opt = at::TensorOptions().dtype(at::kChar).device(device);
-  for (int64_t i = 0; i < g.batch; ++i) {
-    const at::Tensor a = at::from_blob(const_cast<int8_t*>(g.a + i * g.sa), {g.m, g.k}, {g.lda, 1}, opt);
-    const at::Tensor b = at::from_blob(const_cast<int8_t*>(g.b + i * g.sb), {g.n, g.k}, {g.ldb, 1}, opt);
-    at::Tensor out = at::from_blob(g.c + i * g.sc, {g.m, g.n}, {g.ldc, 1}, opt.dtype(at::kInt));
-    at::_int_mm_out(out, a, b.t());
-  }
+  const at::Tensor a = at::from_blob(const_cast<int8_t*>(g.a), {g.m, g.k}, {g.lda, 1}, opt);
+  const at::Tensor b = at::from_blob(const_cast<int8_t*>(g.b), {g.n, g.k}, {g.ldb, 1}, opt);
+  at::Tensor out = at::from_blob(g.c, {g.m, g.n}, {g.ldc, 1}, opt.dtype(at::kInt));
+  at::_int_mm_out(out, a, b.t());
 }
 
 struct SliceBackend {
@@ -458,8 +453,11 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
     const int64_t ncp = std::min(Nc, Np - n0), nv = std::min(Nc, N - n0);
     at::Tensor C = uninit({P, Mp, ncp}, x.options().dtype(at::kInt));  // each diagonal's GEMM writes all of it
     int32_t* Cq = C.numel() ? C.data_ptr<int32_t>() : nullptr;
-    if (Q > 0) {  // one batched int8 GEMM: modulus t's planes at columns t * Kc, its sums at plane t
-      be.int8_mm(Int8Gemm{xq, ldx, wq + n0 * ldw, ldw, Cq, ncp, Mp, ncp, Kc, Q, Kc, Kc, Mp * ncp}, x.device());
+    if (Q > 0) {  // one int8 GEMM per modulus t: its planes at columns t * Kc, its sums at plane t
+      // (one strided-batched cuBLASLt call instead ran 2.2x slower: an sm80 kernel; NOTES, session 12)
+      for (int64_t t = 0; t < Q; ++t)
+        be.int8_mm(Int8Gemm{xq + t * Kc, ldx, wq + n0 * ldw + t * Kc, ldw, Cq + t * Mp * ncp, ncp, Mp, ncp, Kc},
+                   x.device());
     } else {  // one int8 GEMM per (K-chunk, diagonal)
       for (int64_t c = 0; c < nch; ++c) {
         for (int64_t d = 0; d < D; ++d) {

@@ -18,7 +18,6 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
-#include <utility>
 
 namespace ldet {
 namespace {
@@ -32,7 +31,7 @@ namespace {
 // Column-major view of the row-major problem: C^T (N x M, ld N) = B (N x K, stored K x N with ld
 // ldb, op T) . A^T (K x M, stored with ld lda, op N).
 struct LtKey {
-  int64_t m, n, k, lda, ldb, ldc, batch, sa, sb, sc;
+  int64_t m, n, k, lda, ldb, ldc;
   int align_a, align_b, align_c, device;
   bool operator==(const LtKey& o) const { return std::memcmp(this, &o, sizeof(LtKey)) == 0; }
 };
@@ -57,11 +56,10 @@ struct LtPlan {
   int n_candidates = 0;
 };
 
-// The largest power of two (<= 256) dividing the address and, for a batch, the byte offset
-// between its entries: cuBLASLt assumes 256-byte alignment unless told otherwise, and an algorithm
-// chosen for aligned pointers may not run on others.
-int alignment(const void* p, int64_t batch_offset_bytes) {
-  const uintptr_t v = reinterpret_cast<uintptr_t>(p) | uintptr_t(batch_offset_bytes);
+// The largest power of two (<= 256) dividing the address: cuBLASLt assumes 256-byte alignment
+// unless told otherwise, and an algorithm chosen for aligned pointers may not run on others.
+int alignment(const void* p) {
+  const uintptr_t v = reinterpret_cast<uintptr_t>(p);
   int a = 1;
   while (a < 256 && (v & uintptr_t(a)) == 0) a <<= 1;
   return a;
@@ -77,17 +75,6 @@ LtPlan make_plan(const LtKey& key) {
   LDET_LT_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_8I, key.k, key.n, key.ldb), "layout A");
   LDET_LT_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_8I, key.k, key.m, key.lda), "layout B");
   LDET_LT_CHECK(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_32I, key.n, key.m, key.ldc), "layout C");
-  if (key.batch > 1) {  // strided batches: entry i of each matrix at its pointer + i * its offset
-    const int32_t count = int32_t(key.batch);
-    const std::pair<cublasLtMatrixLayout_t, int64_t> strided[] = {{p.a, key.sb}, {p.b, key.sa}, {p.c, key.sc}};
-    for (const auto& [layout, offset] : strided) {
-      LDET_LT_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)),
-                    "batch count");
-      LDET_LT_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &offset,
-                                                     sizeof(offset)),
-                    "batch offset");
-    }
-  }
   cublasLtMatmulPreference_t pref;
   LDET_LT_CHECK(cublasLtMatmulPreferenceCreate(&pref), "preference");
   const size_t workspace = 0;  // as at::_int_mm: no split-K workspace
@@ -117,9 +104,9 @@ cublasStatus_t run(const LtPlan& p, const cublasLtMatmulAlgo_t* algo, const Int8
                         g.c, p.c, algo, nullptr, 0, stream);
 }
 
-// Why: the heuristic's first choice is not always its fastest. For the CRT route's batched GEMM
-// (12 x 4096 x 1032 x 4096) it picked an sm80 kernel at ~2.2x the time of twelve separate sm90
-// launches (NOTES, session 12). So each new plan times its candidates once, on the call's own
+// Why: the heuristic's first choice need not be its fastest for our strided column views (a
+// strided-batched form of the CRT route's GEMMs got an sm80 kernel at ~2.2x the time of separate
+// sm90 launches: NOTES, session 12). So each new plan times its candidates once, on the call's own
 // operands (each writes the same exact int32 sums: the choice cannot change a byte), and keeps
 // the fastest: one host synchronization per shape and process. Not while the stream is being
 // captured into a graph; LIGHTNING_DET_INT8_GEMM_TUNE=0 keeps the heuristic's first choice.
@@ -168,15 +155,11 @@ bool use_torch_route() {
 }  // namespace
 
 void int8_gemm_lt(const Int8Gemm& g, const at::Device& device) {
-  TORCH_CHECK(g.m > 0 && g.n > 0 && g.k > 0 && g.lda >= g.k && g.ldb >= g.k && g.ldc >= g.n && g.batch >= 1 &&
-                  g.batch <= INT32_MAX,
-              "int8 GEMM: expected positive m, n, k, row strides at least k (operands) and n (output), "
-              "and a batch count in [1, 2^31)");
+  TORCH_CHECK(g.m > 0 && g.n > 0 && g.k > 0 && g.lda >= g.k && g.ldb >= g.k && g.ldc >= g.n,
+              "int8 GEMM: expected positive m, n, k and row strides at least k (operands) and n (output)");
   if (use_torch_route()) return int8_mm_aten(g, device);
-  const bool batched = g.batch > 1;
-  const LtKey key{g.m, g.n, g.k, g.lda, g.ldb, g.ldc, g.batch, batched ? g.sa : 0, batched ? g.sb : 0,
-                  batched ? g.sc : 0, alignment(g.a, batched ? g.sa : 0), alignment(g.b, batched ? g.sb : 0),
-                  alignment(g.c, batched ? 4 * g.sc : 0), int(device.index())};
+  const LtKey key{g.m, g.n, g.k, g.lda, g.ldb, g.ldc, alignment(g.a), alignment(g.b), alignment(g.c),
+                  int(device.index())};
   static std::mutex mu;
   static std::unordered_map<LtKey, LtPlan, LtKeyHash> cache;
   // Shapes of one training run are few; past the cap a shape's plan is made and dropped per call.
