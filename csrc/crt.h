@@ -14,10 +14,13 @@
 // P is the same integer the diagonals' Horner sum gives, so everything downstream (residue
 // terms, bias, the one rounding, the 128-bit proof) is unchanged: the bytes cannot move.
 //
-// The per-element and per-output functions are LDET_HD: the CPU backend and the CUDA kernels
-// (make_slices_kernel, the combine kernels) run the same code. Their constants for one call's Q
-// moduli (CrtConsts, < 1 KB) go to the kernels by value: kernel parameters sit in the constant
-// bank, and every thread reads the same modulus at the same time (a broadcast, no loads).
+// Two forms of the same arithmetic: per element / per output in 32-bit integer operations
+// (crt_remainder, crt_value: LDET_HD, what the CUDA kernels make_slices_kernel and the combine
+// kernels run), and fp64 loops over consecutive elements / outputs that vectorize on the CPU
+// (crt_remainders_fp64, crt_values_fp64). Both give the one mathematically defined remainder and
+// P, so the bytes agree (the CUDA tests compare the CUDA route with the CPU route). The constants
+// for one call's Q moduli (CrtConsts, < 1 KB) go to the kernels by value: kernel parameters sit
+// in the constant bank, and every thread reads the same modulus at the same time (a broadcast).
 #pragma once
 
 #include <cstdint>
@@ -202,6 +205,18 @@ LDET_HD uint32_t crt_mod_i32(int32_t c, int i, const CrtConsts& t) {
   return mod_small(uint32_t(a), m, t.sm[i]);
 }
 
+// P from S = sum_t y_t M/m_t (congruent to P modulo M, below Q M) and f = sum_t y_t / m_t
+// (S / M's estimate): P = S - k M with k the integer nearest f, then the exact fix-up below.
+LDET_HD i128 crt_from_sum(u128 S, double f, u128 M) {
+  i128 P = i128(S) - i128(M) * i128(uint64_t(f + 0.5));
+  // The estimate can miss only where S / M lies within ~2^-47 of a half-integer, i.e. |P| within
+  // 2^-46 of M/2: then k is one off and one of these moves P back (no test data reaches them;
+  // they keep the result exact regardless of the estimate, |P| < 3/2 M before them).
+  if (2 * P >= i128(M)) P -= i128(M);
+  if (2 * P < -i128(M)) P += i128(M);
+  return P;
+}
+
 // P from its Q int32 remainder sums c[t * pstride] (t < Q), by the explicit CRT: with r_t = c_t
 // mod m_t and y_t = r_t (M/m_t)^-1 mod m_t, S = sum_t y_t M/m_t is congruent to P modulo M and
 // below Q M, and S / M = sum_t y_t / m_t. So P = S - k M with k the integer nearest that sum:
@@ -221,13 +236,89 @@ LDET_HD i128 crt_value(const int32_t* c, int64_t pstride, const CrtConsts& t) {
       f += double(y) * t.rinv[i];
     }
   }
-  i128 P = i128(S) - i128(t.M) * i128(uint64_t(f + 0.5));
-  // The estimate can miss only where S / M lies within ~2^-47 of a half-integer, i.e. |P| within
-  // 2^-46 of M/2: then k is one off and one of these moves P back (no test data reaches them;
-  // they keep the result exact regardless of the estimate, |P| < 3/2 M before them).
-  if (2 * P >= i128(t.M)) P -= i128(t.M);
-  if (2 * P < -i128(t.M)) P += i128(t.M);
-  return P;
+  return crt_from_sum(S, f, t.M);
+}
+
+// ---- The CPU's vector forms (csrc/cpu/int_slices_cpu.cpp) ----
+// The same remainders and the same P as crt_remainder / crt_value, in fp64 arithmetic that is exact
+// where it has to be, in loops over consecutive elements (outputs) that the compiler turns into
+// AVX-512: through the scalar forms (32-bit Barrett steps, dp4a emulated byte by byte, 128-bit
+// multiply-adds) the CPU's CRT way ran at a third of its diagonals' speed (NOTES, session 12).
+//
+// Floor division in fp64: for an integer a with |a| < 2^46 and 2 < m <= 2^8,
+// floor(fl(a + 1/2) * fl(1/m)) = floor((a + 1/2) / m) = floor(a / m): a + 1/2 is exact, the
+// product's error is below 2^-52 relative, under 2^46 / 2^7 * 2^-51 = 2^-12 absolute, and
+// (a + 1/2) / m lies at least 1 / (2m) >= 2^-9 from every integer. a - m q is then exact too.
+// (Below: |a| < 2^38 for the remainders, |a| < 2^31 and < 2^16 for the reconstruction.)
+
+// floor(v) for |v| < 2^50 lying at least 2^-12 from every integer (the divisions above: 2^-9 less
+// their error): v - 1/2 is then at least that far from every half-integer, and adding 1.5 2^52
+// rounds it to its nearest integer (round-to-nearest, the default mode), which is floor(v). The
+// compiler vectorizes this, where std::floor kept these loops scalar (GCC 12).
+inline double floor_off_integers(double v) {
+  constexpr double kRound = 6755399441055744.0;  // 1.5 * 2^52: sums with it have unit spacing
+  return ((v - 0.5) + kRound) - kRound;
+}
+
+// out[i * stride + k] = crt_remainder's value for the window integer X = hi[k] 2^32 + lo[k]
+// (|X| < 2^62, int_slices.h step 1: |hi| < 2^30, 0 <= lo < 2^32, both held exactly) and modulus i,
+// for k < n. Per modulus: a = hi (2^32 mod m, symmetric: |.| <= 2^7) + lo is congruent to X and
+// |a| < 2^38; then a - m floor((a + h) / m) with h = floor(m/2) lies in [-h, m - 1 - h], the
+// range crt_to_symmetric maps into.
+inline void crt_remainders_fp64(const double* hi, const double* lo, int64_t n, const CrtConsts& t, int8_t* out,
+                                int64_t stride) {
+  for (int i = 0; i < t.count; ++i) {
+    const double m = double(t.m[i]), r = t.rinv[i], h = double(t.m[i] / 2) + 0.5;
+    const double p32 = double(crt_symmetric(int64_t(1) << 32, t.m[i]));
+    int8_t* o = out + i * stride;
+    for (int64_t k = 0; k < n; ++k) {
+      const double a = hi[k] * p32 + lo[k];
+      o[k] = int8_t(int32_t(a - m * floor_off_integers((a + h) * r)));
+    }
+  }
+}
+
+// Each M / m_t in four 30-bit limbs (below 2^120 = 2^(8 kCrtMax)), as exact doubles.
+struct CrtLimbs {
+  double limb[kCrtMax][4];
+};
+
+inline CrtLimbs crt_limbs(const CrtConsts& t) {
+  CrtLimbs L{};
+  for (int i = 0; i < t.count; ++i)
+    for (int j = 0; j < 4; ++j) L.limb[i][j] = double(uint64_t(t.cof[i] >> (30 * j)) & ((uint64_t(1) << 30) - 1));
+  return L;
+}
+
+constexpr int64_t kCrtBlock = 256;  // outputs per crt_values_fp64 call
+
+// P[j] = crt_value(c + j, pstride, t) for j < n <= kCrtBlock. Per modulus: c mod m and y = (c mod
+// m) (M/m)^-1 mod m by the fp64 floor division (|c| < 2^31; products below 2^16); y times each limb
+// of M / m summed per limb (below 2^8 2^30 15 < 2^42: exact), and the quotient's estimate.
+inline void crt_values_fp64(const int32_t* c, int64_t pstride, int64_t n, const CrtConsts& t, const CrtLimbs& L,
+                            i128* P) {
+  double f[kCrtBlock], s[4][kCrtBlock];
+  for (int64_t j = 0; j < n; ++j) f[j] = s[0][j] = s[1][j] = s[2][j] = s[3][j] = 0.0;
+  for (int i = 0; i < t.count; ++i) {
+    const int32_t* ci = c + i * pstride;
+    const double m = double(t.m[i]), r = t.rinv[i], inv = double(t.cinv[i]);
+    const double l0 = L.limb[i][0], l1 = L.limb[i][1], l2 = L.limb[i][2], l3 = L.limb[i][3];
+    for (int64_t j = 0; j < n; ++j) {
+      const double a = double(ci[j]);
+      const double p = (a - m * floor_off_integers((a + 0.5) * r)) * inv;
+      const double y = p - m * floor_off_integers((p + 0.5) * r);
+      f[j] += y * r;
+      s[0][j] += y * l0;
+      s[1][j] += y * l1;
+      s[2][j] += y * l2;
+      s[3][j] += y * l3;
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const u128 S = u128(uint64_t(s[0][j])) + (u128(uint64_t(s[1][j])) << 30) + (u128(uint64_t(s[2][j])) << 60) +
+                   (u128(uint64_t(s[3][j])) << 90);
+    P[j] = crt_from_sum(S, f[j], t.M);
+  }
 }
 
 }  // namespace ldet

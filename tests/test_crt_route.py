@@ -137,6 +137,17 @@ def test_wide_and_out_of_range_rows_with_crt():
     assert assert_same_everywhere(x, w, gen.normal((24,), torch.float32, 57), "wide rows")["moduli"] > 0
 
 
+def test_window_integers_past_2_to_the_46_with_crt():
+    # each element scaled by 2^-10 .. 2^9: rows spanning ~20 bits take 7 slices of 8 bits, so their
+    # window integers reach 2^(8 7 - 2) = 2^54, past what one fp64 holds: the CPU's remainders split
+    # them in two (crt.h, crt_remainders_fp64); K = 64 keeps them within the 15 moduli
+    g = torch.Generator().manual_seed(60)
+    x = torch.randn(64, 64, generator=g) * torch.exp2(torch.randint(-10, 10, (64, 64), generator=g).float())
+    w = torch.randn(48, 64, generator=g) * torch.exp2(torch.randint(-10, 10, (48, 64), generator=g).float())
+    plan = assert_same_everywhere(x, w, gen.normal((48,), torch.float32, 61), "window integers past 2^46")
+    assert plan["moduli"] > 0 and slice_bits() * plan["slices_x"] - 2 > 46, plan
+
+
 def test_guessed_slice_counts_with_crt():
     # a fixed guess too small for some rows: they are zero rows in the remainder planes and their
     # outputs are recomputed exactly (exact_rows); the rest through the CRT route

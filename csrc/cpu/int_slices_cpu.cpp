@@ -100,6 +100,8 @@ SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "make_slices_cpu", [&] {
     const scalar_t* p = a.data_ptr<scalar_t>();
     at::parallel_for(0, R, 16, [&](int64_t b, int64_t e) {
+      // the CRT route: a row's window integers as two exact doubles each, for crt_remainders_fp64
+      std::vector<double> xhi(moduli > 0 ? K : 0), xlo(moduli > 0 ? K : 0);
       for (int64_t r = b; r < e; ++r) {
         const int need = nd[3 * r + 1];
         if (need == 0 || need > S) continue;  // zero row, or left to the long-accumulator kernel
@@ -112,10 +114,9 @@ SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64
           for (int64_t k = c * Kc, kk = 0; k < std::min(K, (c + 1) * Kc); ++k, ++kk) {
             const double v = static_cast<double>(p[r * K + k]);
             const int64_t X = window_integer(v, s);
-            if (moduli > 0) {  // the CRT route (crt.h): plane t at columns [t * Kc, +Kc) (nch == 1)
-              uint32_t lo, hi;
-              digit_words(X, int(S), int(bits), &lo, &hi);
-              for (int t = 0; t < int(moduli); ++t) o[r * width + t * Kc + kk] = crt_remainder(lo, hi, t, crt);
+            if (moduli > 0) {
+              xhi[k] = double(X >> 32);  // arithmetic shift: X = hi 2^32 + lo, 0 <= lo < 2^32
+              xlo[k] = double(X & int64_t(0xffffffff));
             } else {
               slice_integer(X, int(S), int(bits), base + kk, step);
             }
@@ -127,6 +128,8 @@ SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64
             }
           }
         }
+        if (moduli > 0)  // plane t at columns [t * Kc, +Kc) (nch == 1)
+          crt_remainders_fp64(xhi.data(), xlo.data(), K, crt, o + r * width, Kc);
         if (residues) {
           rc[r] = nres;
           Fo[r] = nres > 0 ? (nd[3 * r] + 3 - int(bits * S)) - nd[3 * r + 2] : 0;
@@ -167,10 +170,34 @@ struct CombineView {
   void* out;
 };
 
-// Outputs of rows [b, e). DC > 0: the diagonal count at compile time for one K-chunk (the Horner
+// The CRT route's outputs of rows [b, e): the same integer the diagonals build, reconstructed a
+// block of outputs at a time (crt.h, crt_values_fp64), then finished as theirs.
+void combine_rows_crt(const CombineView& v, int64_t b, int64_t e) {
+  const CrtLimbs limbs = crt_limbs(v.crt);
+  i128 P[kCrtBlock];
+  for (int64_t m = b; m < e; ++m) {
+    const int Fx = v.rx.F ? v.rx.F[m] : 0;
+    for (int64_t n0 = 0; n0 < v.Nv; n0 += kCrtBlock) {
+      const int64_t nb = std::min(kCrtBlock, v.Nv - n0);
+      crt_values_fp64(v.c + m * v.Ncp + n0, v.pstride, nb, v.crt, limbs, P);
+      for (int64_t j = 0; j < nb; ++j) {
+        const int64_t n = n0 + j, i = m * v.Nv + n;
+        const ResidueTerms terms{v.rx, v.ex, v.sx[m], m, v.rw, v.ew, n};
+        float val;
+        combine_output_value(P[j], -(v.sx[m] + v.sw[n]), Fx + (v.rw.F ? v.rw.F[n] : 0), v.bias ? v.bias + n : nullptr,
+                             v.wide, v.fmt, terms, v.digits ? nullptr : &val,
+                             v.digits ? static_cast<int64_t*>(v.out) + i * LDET_WORDS : nullptr);
+        if (!v.digits) store_fmt(v.out, i, val, v.fmt);
+      }
+    }
+  }
+}
+
+// Outputs of rows [b, e) (the CRT route: combine_rows_crt). DC > 0: the diagonal count at compile time for one K-chunk (the Horner
 // sum unrolled, as on CUDA: the combine at fp32 512^3 6.4 -> 5.5 ms), else 0.
 template <int DC>
 void combine_rows(const CombineView& v, int64_t b, int64_t e) {
+  if (v.moduli > 0) return combine_rows_crt(v, b, e);
   for (int64_t m = b; m < e; ++m) {
     const int Fx = v.rx.F ? v.rx.F[m] : 0;
     for (int64_t n = 0; n < v.Nv; ++n) {
@@ -180,13 +207,7 @@ void combine_rows(const CombineView& v, int64_t b, int64_t e) {
       const double* bn = v.bias ? v.bias + n : nullptr;
       const ResidueTerms terms{v.rx, v.ex, v.sx[m], m, v.rw, v.ew, n};
       const int64_t i = m * v.Nv + n;
-      if (v.moduli > 0) {  // the CRT route: the same integer, reconstructed (crt.h)
-        const i128 P = crt_value(cp, v.pstride, v.crt);
-        float val;
-        combine_output_value(P, E, F, bn, v.wide, v.fmt, terms, v.digits ? nullptr : &val,
-                             v.digits ? static_cast<int64_t*>(v.out) + i * LDET_WORDS : nullptr);
-        if (!v.digits) store_fmt(v.out, i, val, v.fmt);
-      } else if (v.digits) {
+      if (v.digits) {
         combine_output<DC>(cp, v.pstride, v.nch, v.D, v.bits, E, F, bn, v.wide, v.fmt, terms, nullptr,
                            static_cast<int64_t*>(v.out) + i * LDET_WORDS);
       } else {
@@ -295,8 +316,13 @@ const SliceBackend& slice_backend_cpu() {
                                2000.0, 0,
                                // plans from this call's summaries: nothing to gain from guesses
                                false,
-                               // the CRT route (crt.h): only where a path forces it, until measured
-                               true, std::numeric_limits<double>::infinity()};
+                               // the CRT route (crt.h, its fp64 vector forms): an output's reconstruction
+                               // ~150 int8 multiply-adds a modulus beyond the diagonals' combine. Fit to
+                               // both ways' times on this 2-core CPU (NOTES, session 12): fp32 CRT at
+                               // 0.71-0.78 of the diagonals for K >= 256 (taken), 0.94 at K = 64 (not
+                               // taken: a near tie); bf16 at 7 moduli for 9 pairs 0.95-1.13 (taken
+                               // only from K ~ 600)
+                               true, 150.0};
   return be;
 }
 
