@@ -9,10 +9,11 @@ Writes benchmarks/results/<device>-gemm.json (or --out) with rows of
 x_log2_span, w_log2_span}.
 The baseline is torch.mm in the same dtype (fp32 with TF32 off); fp32_mm_tflops is torch.mm in
 fp32 on the same shape, the yardstick of the performance issue. ours_* is det_gemm as users get it
-(route "auto"); kernel_* and slices_* time each exact route on its own (lightning_det.ops.gemm_path),
-crt_* the slices with one int8 GEMM per CRT modulus (csrc/crt.h; crt_moduli 0: the device has no
-such kernels and the diagonals ran), and routes_same_bytes checks that all of them returned the
-same bits on these operands.
+(route "auto"); kernel_* and slices_* time each exact route on its own (lightning_det.ops.gemm_path,
+the slices in the way the device's cost model picks), diagonals_* and crt_* the slices' two ways
+forced: one int8 GEMM per diagonal of slice pairs, or per CRT modulus (csrc/crt.h; crt_moduli 0:
+they cannot cover the products and the diagonals ran), and routes_same_bytes checks that all of
+them returned the same bits on these operands.
 
 Data kinds (--data), each an (M, K) x and an (N, K) w for det_gemm(x, w) = x @ w.T:
   normal  torch.randn, seeds 1 and 2 (fp32 and bf16).
@@ -83,7 +84,7 @@ def bench(device, x, w, dtype, kind, source, repeat):
     ours = time_fn(lambda: det_gemm(x, w), device, warmup=1, repeat=repeat)
     # each exact route on its own, and the proof that they agree on these operands
     routes, outs, plans = {}, {"auto": det_gemm(x, w)}, {}
-    for route in ("kernel", "slices", "slices_crt"):
+    for route in ("kernel", "slices", "slices_diagonals", "slices_crt"):
         with gemm_path(route):
             routes[route] = time_fn(lambda: det_gemm(x, w), device, warmup=1, repeat=repeat)
             outs[route] = det_gemm(x, w)
@@ -105,8 +106,9 @@ def bench(device, x, w, dtype, kind, source, repeat):
         "kernel_tflops": flops / routes["kernel"] / 1e12, "slices_tflops": flops / routes["slices"] / 1e12,
         "kernel_ratio_vs_fp32_mm": fp32 / routes["kernel"], "slices_ratio_vs_fp32_mm": fp32 / routes["slices"],
         "routes_same_bytes": same, "slices_plan": plan,
-        # the CRT route (csrc/crt.h): one int8 GEMM per modulus; 0 moduli: the device has no such
-        # kernels (CUDA so far) and the diagonals ran
+        # the slices' two ways on their own: one int8 GEMM per diagonal of slice pairs, or per CRT
+        # modulus (csrc/crt.h; 0 moduli: they cannot cover these products and the diagonals ran)
+        "diagonals_ratio_vs_fp32_mm": fp32 / routes["slices_diagonals"],
         "crt_moduli": crt_moduli, "crt_ratio_vs_fp32_mm": fp32 / routes["slices_crt"],
     }
     what = f"{kind} {source['layer']} {source['gemm']}" if kind == "real" else kind
@@ -114,8 +116,8 @@ def bench(device, x, w, dtype, kind, source, repeat):
           f"torch.mm {row['baseline_tflops']:9.3f}  ratio {row['ratio']:.4f}  vs fp32 mm {row['ratio_vs_fp32_mm']:.4f}  "
           f"(kernel {row['kernel_ratio_vs_fp32_mm']:.4f}, slices {row['slices_ratio_vs_fp32_mm']:.4f}, "
           f"same bytes {same}; slices {plan['slices_x']}x{plan['slices_w']}, "
-          f"residues {plan['residues_x']}/{plan['residues_w']}; crt {row['crt_ratio_vs_fp32_mm']:.4f} with "
-          f"{crt_moduli} moduli)",
+          f"residues {plan['residues_x']}/{plan['residues_w']}; diagonals {row['diagonals_ratio_vs_fp32_mm']:.4f}, "
+          f"crt {row['crt_ratio_vs_fp32_mm']:.4f} with {crt_moduli} moduli)",
           flush=True)
     return row
 
