@@ -177,11 +177,19 @@ void combine_rows_crt(const CombineView& v, int64_t b, int64_t e) {
   i128 P[kCrtBlock];
   for (int64_t m = b; m < e; ++m) {
     const int Fx = v.rx.F ? v.rx.F[m] : 0;
+    const bool plain_row = v.wide && v.bias == nullptr && (v.rx.count == nullptr || v.rx.count[m] == 0);
     for (int64_t n0 = 0; n0 < v.Nv; n0 += kCrtBlock) {
       const int64_t nb = std::min(kCrtBlock, v.Nv - n0);
       crt_values_fp64(v.c + m * v.Ncp + n0, v.pstride, nb, v.crt, limbs, P);
       for (int64_t j = 0; j < nb; ++j) {
         const int64_t n = n0 + j, i = m * v.Nv + n;
+        if (plain_row && !v.digits && (v.rw.count == nullptr || v.rw.count[n] == 0)) {
+          // no residue terms, no bias: finish_output_fast's rounding alone (wide: T is proven)
+          const i128 T = P[j];
+          const u128 mag = T < 0 ? u128(-T) : u128(T);
+          store_fmt(v.out, i, T == 0 ? 0.0f : round_int128_fmt(T < 0, mag, -(v.sx[m] + v.sw[n]), v.fmt), v.fmt);
+          continue;
+        }
         const ResidueTerms terms{v.rx, v.ex, v.sx[m], m, v.rw, v.ew, n};
         float val;
         combine_output_value(P[j], -(v.sx[m] + v.sw[n]), Fx + (v.rw.F ? v.rw.F[n] : 0), v.bias ? v.bias + n : nullptr,
