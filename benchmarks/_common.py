@@ -75,8 +75,10 @@ def commit() -> str:
         here = Path(__file__).parent
         sha = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=here, text=True).strip()
         # tracked files changed since that commit (a device copy of a newer tree, work in progress):
-        # say so instead of naming a commit that did not run
-        dirty = subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, text=True)
+        # say so instead of naming a commit that did not run. Results files do not count: a rerun
+        # rewrites its own file before it asks
+        dirty = subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no", "--", ":(top)",
+                                         ":(top,exclude)benchmarks/results"], cwd=here, text=True)
         return sha + ("+modified" if dirty.strip() else "")
     except Exception:  # noqa: BLE001 - a results file without a commit is still useful
         return "unknown"
