@@ -154,8 +154,9 @@ inline int crt_moduli_needed(int64_t K, int Sa, int Sb, int bits) {
 }
 
 // a mod m for a m < 2^32 (a < 2^24 for m <= 2^8), with c = 2^32 / m rounded up: the quotient
-// (a c) >> 32 is exact while a m < 2^32 (its error a (c - 2^32/m) / 2^32 < a / 2^32 stays below the distance
-// 1/m from a/m to the next integer), so one 32 x 32 -> 64 multiply and a multiply-subtract.
+// (a c) >> 32 is exact while a m < 2^32 (its error a (c - 2^32/m) / 2^32 < a / 2^32 stays below
+// the distance 1/m from a/m to the next integer), so one 32 x 32 -> 64 multiply and a
+// multiply-subtract.
 LDET_HD uint32_t mod_small(uint32_t a, uint32_t m, uint32_t c) {
   return a - uint32_t((uint64_t(a) * c) >> 32) * m;
 }

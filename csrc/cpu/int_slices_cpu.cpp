@@ -201,8 +201,9 @@ void combine_rows_crt(const CombineView& v, int64_t b, int64_t e) {
   }
 }
 
-// Outputs of rows [b, e) (the CRT route: combine_rows_crt). DC > 0: the diagonal count at compile time for one K-chunk (the Horner
-// sum unrolled, as on CUDA: the combine at fp32 512^3 6.4 -> 5.5 ms), else 0.
+// Outputs of rows [b, e) (the CRT route: combine_rows_crt). DC > 0: the diagonal count at compile
+// time for one K-chunk (the Horner sum unrolled, as on CUDA: the combine at fp32 512^3 6.4 -> 5.5
+// ms), else 0.
 template <int DC>
 void combine_rows(const CombineView& v, int64_t b, int64_t e) {
   if (v.moduli > 0) return combine_rows_crt(v, b, e);
