@@ -20,7 +20,7 @@
 //      concatenated K-blocks of the slices (x's slices in order, w's reversed), exact in int32
 //      while pairs * K * 2^(2 bits - 2) < 2^31 (the host splits K to keep it so). Or (csrc/crt.h)
 //      the same integer sum_d C_d 2^(bits d) = sum_k X_k W_k from Q int8 GEMMs of its remainders
-//      modulo pairwise coprime moduli (CPU only so far).
+//      modulo pairwise coprime moduli (the CPU's choice for fp32; on CUDA only when forced).
 //   4. Per output: x.w = x3.w3 + sum_k xr w + sum_k x3 wr (x = x3 + xr, w = w3 + wr: the
 //      truncated values and the residues). The first is sum_d C_d 2^(bits*d - sh_x[m] - sh_w[n]);
 //      each residue term is one exact fp64 product (both factors hold at most 24 bits). With
