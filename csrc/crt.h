@@ -18,7 +18,8 @@
 // (crt_remainder, crt_value: LDET_HD, what the CUDA kernels make_slices_kernel and the combine
 // kernels run), and fp64 loops over consecutive elements / outputs that vectorize on the CPU
 // (crt_remainders_fp64, crt_values_fp64). Both give the one mathematically defined remainder and
-// P, so the bytes agree (the CUDA tests compare the CUDA route with the CPU route). The constants
+// P, so the bytes agree: the CUDA tests compare the CUDA route with the CPU route, and with
+// LIGHTNING_DET_CRT_SCALAR=1 the CPU runs the 32-bit forms (tests/test_crt_route.py). The constants
 // for one call's Q moduli (CrtConsts, < 1 KB) go to the kernels by value: kernel parameters sit
 // in the constant bank, and every thread reads the same modulus at the same time (a broadcast).
 #pragma once

@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import gen
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -65,26 +67,48 @@ def assert_same_everywhere(x, w, bias=None, what="") -> dict:
     return plan
 
 
-def seven_bit_digits_gemm(route: str, seeds=(12, 13, 14), check_plan: str = "True") -> torch.Tensor:
-    """det_gemm_partial(x, w, b) of gen.normal operands (30 x 200, 20 x 200, bias 20; the given
-    seeds) under gemm_path(route), computed in a fresh process with LIGHTNING_DET_SLICE_BITS=7:
-    the 7-bit digits of machines without VNNI, whose CPU backend is chosen once per process.
-    check_plan: a Python expression on `plan` (last_slices_plan()) the child asserts."""
+FRESH_OPERANDS = {  # fresh_process_gemm's x and w: a gen call with the shape and the seed to fill in
+    "normal": "gen.normal({}, torch.float32, {})",
+    "wide": "gen.wide_exponents({}, -12, 12, torch.float32, {})",  # rows of ~24 bits: 7 slices of 8
+}
+
+
+def fresh_operands(kind: str, seeds):
+    """fresh_process_gemm's (x, w, b) in this process (the same expressions, evaluated here)."""
     sx, sw, sb = seeds
+    names = {"gen": gen, "torch": torch}
+    x, w = (eval(FRESH_OPERANDS[kind].format(shape, seed), names) for shape, seed in (((30, 200), sx), ((20, 200), sw)))
+    return x, w, gen.normal((20,), torch.float32, sb)
+
+
+def fresh_process_gemm(route: str, env: dict, seeds=(12, 13, 14), check_plan: str = "True",
+                       operands: str = "normal") -> torch.Tensor:
+    """det_gemm_partial(x, w, b) of fresh_operands(operands, seeds) (30 x 200, 20 x 200, bias 20)
+    under gemm_path(route), computed in a fresh process with `env` added: for settings the CPU
+    backend reads once per process. check_plan: a Python expression on `plan` (last_slices_plan())
+    the child asserts."""
+    sx, sw, sb = seeds
+    make = FRESH_OPERANDS[operands]
     code = (
         "import sys, torch; sys.path.insert(0, 'tests'); import gen\n"
         "from lightning_det.ops import det_gemm_partial, gemm_path, last_slices_plan\n"
-        f"x, w, b = gen.normal((30, 200), torch.float32, {sx}), gen.normal((20, 200), torch.float32, {sw}), "
-        f"gen.normal((20,), torch.float32, {sb})\n"
+        f"x, w = {make.format((30, 200), sx)}, {make.format((20, 200), sw)}\n"
+        f"b = gen.normal((20,), torch.float32, {sb})\n"
         f"with gemm_path({route!r}):\n    out = det_gemm_partial(x, w, b)\n    plan = last_slices_plan()\n"
         f"assert {check_plan}, plan\n"
         "torch.save(out, sys.argv[1])\n"
     )
-    out = REPO / "build" / f"seven_bit_digits_{route}.pt"
+    out = REPO / "build" / f"fresh_process_{route}_{operands}_{'_'.join(sorted(env))}.pt"
     out.parent.mkdir(exist_ok=True)
-    env = dict(os.environ, LIGHTNING_DET_SLICE_BITS="7", OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, "-c", code, str(out)], cwd=REPO, env=env, check=True, timeout=600)
+    subprocess.run([sys.executable, "-c", code, str(out)], cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", **env),
+                   check=True, timeout=600)
     return torch.load(out)
+
+
+def seven_bit_digits_gemm(route: str, seeds=(12, 13, 14), check_plan: str = "True") -> torch.Tensor:
+    """fresh_process_gemm with LIGHTNING_DET_SLICE_BITS=7: the 7-bit digits of machines without
+    VNNI, whose CPU backend is chosen once per process."""
+    return fresh_process_gemm(route, {"LIGHTNING_DET_SLICE_BITS": "7"}, seeds, check_plan)
 
 
 def clean_env(**extra) -> dict:

@@ -10,7 +10,14 @@ import math
 
 import pytest
 import torch
-from conftest import SLICE_OUT_DTYPES, assert_bitwise, assert_same_everywhere, seven_bit_digits_gemm
+from conftest import (
+    SLICE_OUT_DTYPES,
+    assert_bitwise,
+    assert_same_everywhere,
+    fresh_operands,
+    fresh_process_gemm,
+    seven_bit_digits_gemm,
+)
 
 import gen
 from lightning_det.ops import det_gemm, det_gemm_partial, gemm_path, last_slices_plan, slices_guess
@@ -164,10 +171,25 @@ def test_guessed_slice_counts_with_crt():
 def test_crt_route_with_seven_bit_digits():
     # machines without VNNI use 7-bit digits and remainders (moduli <= 128); run that branch in a
     # fresh process and compare with this process's kernel
-    x, w, b = gen.normal((30, 200), torch.float32, 60), gen.normal((20, 200), torch.float32, 61), gen.normal((20,), torch.float32, 62)
+    x, w, b = fresh_operands("normal", (60, 61, 62))
     with gemm_path("kernel"):
         want = det_gemm_partial(x, w, b)
     assert torch.equal(seven_bit_digits_gemm("slices_crt", (60, 61, 62), "plan['moduli'] > 0"), want)
+
+
+@pytest.mark.parametrize("operands", ["normal", "wide"])
+def test_cuda_kernels_crt_arithmetic_on_the_cpu(operands):
+    # LIGHTNING_DET_CRT_SCALAR=1 (read once per process): the CPU's CRT way through crt.h's 32-bit
+    # per-element and per-output forms (dp4a remainders of packed digits, 32-bit reductions,
+    # crt_value), the arithmetic the CUDA kernels run, instead of its fp64 loops; so a CPU-only CI
+    # checks that arithmetic too. "wide": rows of ~24 bits, 7 slices, window integers past 2^46.
+    seeds = (66, 67, 68)
+    x, w, b = fresh_operands(operands, seeds)
+    with gemm_path("kernel"):
+        want = det_gemm_partial(x, w, b)
+    check = "plan['moduli'] > 0" + (" and plan['slices_x'] >= 7" if operands == "wide" else "")
+    got = fresh_process_gemm("slices_crt", {"LIGHTNING_DET_CRT_SCALAR": "1"}, seeds, check, operands)
+    assert torch.equal(got, want), f"CUDA's CRT arithmetic on the CPU, {operands} operands: digits differ"
 
 
 def _cuda_cases():

@@ -82,11 +82,23 @@ at::Tensor row_needs_cpu(const at::Tensor& a, int64_t bits, at::Tensor& summary)
   return out;
 }
 
+// LIGHTNING_DET_CRT_SCALAR=1: the CRT way through crt.h's 32-bit per-element and per-output
+// forms (crt_remainder, crt_value), the arithmetic the CUDA kernels run, instead of the fp64
+// loops: the CPU tests then check that arithmetic too (tests/test_crt_route.py; slower).
+bool crt_scalar_forms() {
+  static const bool on = [] {
+    const char* env = std::getenv("LIGHTNING_DET_CRT_SCALAR");
+    return env != nullptr && std::string(env) == "1";
+  }();
+  return on;
+}
+
 SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64_t S, int64_t bits, bool reverse,
                              int64_t Kc, int64_t nch, int64_t Rp, bool residues, const at::Tensor& left,
                              int64_t moduli) {
   const int64_t R = a.size(0), K = a.size(1), width = moduli > 0 ? moduli * Kc : nch * S * Kc;
   const CrtConsts crt = moduli > 0 ? crt_consts(int(bits), int(moduli)) : CrtConsts{};
+  const bool scalar = crt_scalar_forms();
   SliceOperand so = new_slice_operand(a, Rp, width, residues, /*zero_fill=*/true);
   const int32_t* nd = needs.data_ptr<int32_t>();
   int8_t* o = so.q.data_ptr<int8_t>();
@@ -114,7 +126,11 @@ SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64
           for (int64_t k = c * Kc, kk = 0; k < std::min(K, (c + 1) * Kc); ++k, ++kk) {
             const double v = static_cast<double>(p[r * K + k]);
             const int64_t X = window_integer(v, s);
-            if (moduli > 0) {
+            if (moduli > 0 && scalar) {  // crt_scalar_forms: plane t at columns [t * Kc, +Kc)
+              uint32_t lo, hi;
+              digit_words(X, int(S), int(bits), &lo, &hi);
+              for (int t = 0; t < int(moduli); ++t) o[r * width + t * Kc + kk] = crt_remainder(lo, hi, t, crt);
+            } else if (moduli > 0) {
               xhi[k] = double(X >> 32);  // arithmetic shift: X = hi 2^32 + lo, 0 <= lo < 2^32
               xlo[k] = double(X & int64_t(0xffffffff));
             } else {
@@ -128,7 +144,7 @@ SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64
             }
           }
         }
-        if (moduli > 0)  // plane t at columns [t * Kc, +Kc) (nch == 1)
+        if (moduli > 0 && !scalar)  // plane t at columns [t * Kc, +Kc) (nch == 1)
           crt_remainders_fp64(xhi.data(), xlo.data(), K, crt, o + r * width, Kc);
         if (residues) {
           rc[r] = nres;
@@ -180,7 +196,11 @@ void combine_rows_crt(const CombineView& v, int64_t b, int64_t e) {
     const bool plain_row = v.wide && v.bias == nullptr && (v.rx.count == nullptr || v.rx.count[m] == 0);
     for (int64_t n0 = 0; n0 < v.Nv; n0 += kCrtBlock) {
       const int64_t nb = std::min(kCrtBlock, v.Nv - n0);
-      crt_values_fp64(v.c + m * v.Ncp + n0, v.pstride, nb, v.crt, limbs, P);
+      if (crt_scalar_forms()) {
+        for (int64_t j = 0; j < nb; ++j) P[j] = crt_value(v.c + m * v.Ncp + n0 + j, v.pstride, v.crt);
+      } else {
+        crt_values_fp64(v.c + m * v.Ncp + n0, v.pstride, nb, v.crt, limbs, P);
+      }
       for (int64_t j = 0; j < nb; ++j) {
         const int64_t n = n0 + j, i = m * v.Nv + n;
         if (plain_row && !v.digits && (v.rw.count == nullptr || v.rw.count[n] == 0)) {
