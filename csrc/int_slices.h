@@ -234,6 +234,13 @@ LDET_HD float round_int128_fmt(bool neg, u128 mag, int E, int fmt) {
   return round_int128(neg, mag, E, 24, -149, 128);
 }
 
+// T * 2^E (two's complement) rounded once to fmt: round_int128 of its magnitude; an exact zero
+// gives +0.0.
+LDET_HD float round_signed_int128(i128 T, int E, int fmt) {
+  if (T == 0) return 0.0f;
+  return round_int128_fmt(T < 0, T < 0 ? u128(-T) : u128(T), E, fmt);
+}
+
 // Adds the finite fp64 value b to T (two's complement, in units of 2^Eu) when b is an integer
 // number of units below 2^max_bits units; returns false, T unchanged, otherwise.
 LDET_HD bool add_units(u128& T, double b, int Eu, int max_bits) {
@@ -353,13 +360,7 @@ LDET_HD bool finish_output_fast(u128 T, int E, int F, const double* bias, int fm
   bool ok = bias == nullptr || *bias == 0.0 || add_units(T, *bias, Eu, 100);
   if (ok) terms.each([&](double t) { ok = ok && add_units(T, t, Eu, 124); });
   if (!ok) return false;
-  const i128 Ts = i128(T);
-  if (Ts == 0) {
-    *out_val = 0.0f;  // exact zero -> +0.0
-  } else {
-    const bool neg = Ts < 0;
-    *out_val = round_int128_fmt(neg, neg ? u128(-Ts) : u128(Ts), Eu, fmt);
-  }
+  *out_val = round_signed_int128(i128(T), Eu, fmt);
   return true;
 }
 

@@ -155,17 +155,22 @@ def test_window_integers_past_2_to_the_46_with_crt():
     assert plan["moduli"] > 0 and slice_bits() * plan["slices_x"] - 2 > 46, plan
 
 
-def test_guessed_slice_counts_with_crt():
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("device, seeds", [("cpu", (58, 59)), pytest.param("cuda", (74, 75), marks=CUDA)])
+def test_guessed_slice_counts_with_crt(device, seeds):
     # a fixed guess too small for some rows: they are zero rows in the remainder planes and their
     # outputs are recomputed exactly (exact_rows); the rest through the CRT route
-    x, w = gen.normal((30, 200), torch.float32, 58), gen.normal((20, 200), torch.float32, 59)
+    x = gen.normal((30, 200), torch.float32, seeds[0]).to(device)
+    w = gen.normal((20, 200), torch.float32, seeds[1]).to(device)
     x[3, ::7] *= 2.0**-20
     with gemm_path("kernel"):
         want = det_gemm(x, w)
     with slices_guess((3, 3)), gemm_path("slices_crt"):
         got = det_gemm(x, w)
         assert last_slices_plan()["moduli"] > 0
-    assert_bitwise(got, want, "guessed (3, 3) with the CRT route")
+    assert_bitwise(got.cpu(), want.cpu(), f"{device} guessed (3, 3) with the CRT route")
 
 
 def test_crt_route_with_seven_bit_digits():
@@ -212,7 +217,7 @@ def _cuda_cases():
     ]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@CUDA
 @pytest.mark.parametrize("case", range(5))
 def test_cuda_crt_route_matches_kernel_and_cpu(case):
     # the CUDA remainder planes and reconstruction (csrc/cuda/int_slices_cuda.cu with crt.h's
@@ -233,15 +238,3 @@ def test_cuda_crt_route_matches_kernel_and_cpu(case):
         got = det_gemm_partial(xc, wc, bc)
     with gemm_path("kernel"):
         assert torch.equal(got.cpu(), det_gemm_partial(xc, wc, bc).cpu()), f"cuda {name}: digits"
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_crt_route_with_guessed_slice_counts():
-    x, w = gen.normal((30, 200), torch.float32, 74).cuda(), gen.normal((20, 200), torch.float32, 75).cuda()
-    x[3, ::7] *= 2.0**-20
-    with gemm_path("kernel"):
-        want = det_gemm(x, w)
-    with slices_guess((3, 3)), gemm_path("slices_crt"):
-        got = det_gemm(x, w)
-        assert last_slices_plan()["moduli"] > 0
-    assert_bitwise(got.cpu(), want.cpu(), "cuda guessed (3, 3) with the CRT route")

@@ -204,10 +204,8 @@ void combine_rows_crt(const CombineView& v, int64_t b, int64_t e) {
       for (int64_t j = 0; j < nb; ++j) {
         const int64_t n = n0 + j, i = m * v.Nv + n;
         if (plain_row && !v.digits && (v.rw.count == nullptr || v.rw.count[n] == 0)) {
-          // no residue terms, no bias: finish_output_fast's rounding alone (wide: T is proven)
-          const i128 T = P[j];
-          const u128 mag = T < 0 ? u128(-T) : u128(T);
-          store_fmt(v.out, i, T == 0 ? 0.0f : round_int128_fmt(T < 0, mag, -(v.sx[m] + v.sw[n]), v.fmt), v.fmt);
+          // no residue terms, no bias: finish_output_fast's rounding alone (wide: P is proven)
+          store_fmt(v.out, i, round_signed_int128(P[j], -(v.sx[m] + v.sw[n]), v.fmt), v.fmt);
           continue;
         }
         const ResidueTerms terms{v.rx, v.ex, v.sx[m], m, v.rw, v.ew, n};

@@ -14,7 +14,7 @@ std::atomic<int> g_gemm_path{kPathAuto};
 
 // Sets the route every gemm / gemm_partial takes from now on (0 auto, 1 the long-accumulator
 // kernel only, 2 the integer slices wherever they apply, 3 / 4 the slices with their diagonals /
-// residues forced: int_slices_host.h); returns the previous one. Every route gives the same
+// CRT remainders forced: int_slices_host.h); returns the previous one. Every route gives the same
 // bytes: the switch exists for tests and benchmarks.
 int64_t set_gemm_path(int64_t path) {
   TORCH_CHECK(path >= kPathAuto && path <= kPathSlicesCrt,
