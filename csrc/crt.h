@@ -24,6 +24,7 @@
 // in the constant bank, and every thread reads the same modulus at the same time (a broadcast).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <stdexcept>
 
@@ -116,10 +117,9 @@ inline const CrtTable& crt_table(int bits) {
   return bits == 7 ? t7 : t8;
 }
 
-// The constants of the first Q moduli of crt_table(bits), 1 <= Q <= its count.
-inline CrtConsts crt_consts(int bits, int Q) {
+// The constants of the first Q moduli of crt_table(bits), 1 <= Q <= its count (crt_consts).
+inline CrtConsts make_crt_consts(int bits, int Q) {
   const CrtTable& t = crt_table(bits);
-  if (Q < 1 || Q > t.count) throw std::logic_error("crt_consts: moduli count out of range");
   CrtConsts c{};
   c.count = Q;
   c.M = t.prod[Q];
@@ -138,6 +138,20 @@ inline CrtConsts crt_consts(int bits, int Q) {
     }
   }
   return c;
+}
+
+// make_crt_consts, built once per process for every (bits, Q): each slices GEMM asks for them
+// three times, and building them takes ~120 128-bit remainders.
+inline const CrtConsts& crt_consts(int bits, int Q) {
+  static const auto all = [] {
+    std::array<std::array<CrtConsts, kCrtMax + 1>, 2> a{};
+    for (int b = 7; b <= 8; ++b)
+      for (int q = 1; q <= crt_table(b).count; ++q) a[b - 7][q] = make_crt_consts(b, q);
+    return a;
+  }();
+  if ((bits != 7 && bits != 8) || Q < 1 || Q > crt_table(bits).count)
+    throw std::logic_error("crt_consts: digit width or moduli count out of range");
+  return all[bits - 7][Q];
 }
 
 // Moduli for the products of (Sa, Sb)-slice windows over K terms: the fewest whose product
