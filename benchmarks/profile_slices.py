@@ -4,12 +4,18 @@ the kernels that the timings of gemm.py add up.
 
     python3 benchmarks/profile_slices.py --out benchmarks/results/h200-slices-profile.json
     python3 benchmarks/profile_slices.py --gemm-path slices_crt --out /tmp/crt-profile.json
+    python3 benchmarks/profile_slices.py --linear 8192,1024,4096 --out /tmp/linear-profile.json
+
+--linear TOKENS,IN,OUT profiles one DetLinear forward + backward (benchmarks/linear.py's timed
+call: three GEMMs, the bias sums, the operand copies) instead of one det_gemm call, and records
+the wall time per call beside the device time (a gap between them is host time the GPU waited for).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -37,9 +43,10 @@ def main(argv=None):
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--gemm-path", default="slices", help="the exact route profiled (lightning_det.ops.gemm_path)")
+    p.add_argument("--linear", default=None, help="TOKENS,IN,OUT: profile DetLinear forward + backward instead")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    out = {**header("cuda"), "n": a.n, "calls": a.calls, "gemm_path": a.gemm_path, "cases": []}
+    out = {**header("cuda"), "n": a.n, "calls": a.calls, "gemm_path": a.gemm_path, "linear": a.linear, "cases": []}
     with gemm_path(a.gemm_path):
         profile_cases(a, out)
     Path(a.out).write_text(json.dumps(out, indent=1))
@@ -48,26 +55,43 @@ def main(argv=None):
 def profile_cases(a, out):
     """Profiles a.calls det_gemm calls per dtype at a.n^3 and appends each kernel table to out."""
     for dt in (torch.bfloat16, torch.float32):
-        g = torch.Generator().manual_seed(1)
-        x = torch.randn(a.n, a.n, generator=g).to(dt).cuda()
-        w = torch.randn(a.n, a.n, generator=g).to(dt).cuda()
-        with slices_guess("sync"):  # the plan with its counts (the profiled calls guess it: CUDA's default)
-            det_gemm(x, w)
-            plan = last_slices_plan()
+        call, plan = linear_call(a.linear, dt) if a.linear else gemm_call(a.n, dt)
+        call()
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
             for _ in range(a.calls):
-                det_gemm(x, w)
+                call()
             torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) / a.calls * 1e6
         table = kernel_table(prof, a.calls)
         total = sum(r["us_per_call"] for r in table)
         case = {"dtype": str(dt).replace("torch.", ""), "plan": plan, "device_us_per_call": round(total, 1),
-                "kernels": table}
+                "wall_us_per_call_profiled": round(wall, 1), "kernels": table}
         out["cases"].append(case)
-        print(f"{case['dtype']}: {total:.0f} us of device time per call, plan {case['plan']}")
-        for r in table[:12]:
+        print(f"{case['dtype']}: {total:.0f} us of device time per call ({wall:.0f} us wall, profiled), plan {plan}")
+        for r in table[:16]:
             print(f"  {r['us_per_call']:9.1f} us  x{r['launches_per_call']:.0f}  {r['kernel'][:110]}")
+
+
+def gemm_call(n, dt):
+    """det_gemm at n^3 on random normal data, and its plan with counts."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, n, generator=g).to(dt).cuda()
+    w = torch.randn(n, n, generator=g).to(dt).cuda()
+    with slices_guess("sync"):  # the plan with its counts (the profiled calls guess it: CUDA's default)
+        det_gemm(x, w)
+        plan = last_slices_plan()
+    return (lambda: det_gemm(x, w)), plan
+
+
+def linear_call(spec, dt):
+    """DetLinear forward + backward as benchmarks/linear.py times it; no single plan (None)."""
+    from linear import build, step_fn
+
+    tokens, fin, fout = (int(v) for v in spec.split(","))
+    return step_fn(*build("DetLinear", dt, tokens, fin, fout, "cuda")), None
 
 
 if __name__ == "__main__":

@@ -168,6 +168,38 @@ def test_cuda_slices_equal_kernel_and_cpu(dx, dw):
         assert torch.equal(got, ref), f"cuda digits {M}x{K}x{N}"
 
 
+def misaligned_cuda(t):
+    """t on CUDA, its storage starting one element past an aligned address (still contiguous)."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device="cuda")
+    out = buf[1:].view(t.shape).copy_(t)
+    assert out.is_contiguous() and out.data_ptr() % 8 != 0
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_cuda_row_loads_misaligned_and_long_rows(dt):
+    # row_needs and make_slices load 4 elements at once from aligned rows (K % 4 == 0): operands
+    # one element off alignment take single loads; a warp per row for K <= 1024, a block beyond;
+    # rows longer than one round of a block's loads (K > 4096) are read twice. With a zero row,
+    # an inf row and a wide row left to the kernel, none of it may change a byte
+    for (M, K, N) in [(40, 1024, 24), (40, 4100, 24), (16, 8192, 24)]:
+        x = gen.normal((M, K), dt, 40) * torch.exp2(torch.randint(-6, 6, (M, 1)).float()).to(dt)
+        w = gen.normal((N, K), dt, 41)
+        x[2] = 0
+        x[3, K - 1] = float("inf")
+        x[4, 7] = 2.0**-120  # past the deepest residue of 8 slices
+        b = gen.normal((N,), torch.float32, 42)
+        with gemm_path("slices"):
+            want = det_gemm(x, w, b)
+        for xc, wc in [(x.cuda(), w.cuda()), (misaligned_cuda(x.cuda()), misaligned_cuda(w.cuda()))]:
+            with slices_guess("sync"):  # the plan with its counts, whatever the default mode
+                ref, got = both_paths(lambda: det_gemm(xc, wc, b.cuda()))
+                assert last_slices_plan()["kernel_rows_x"] == 2  # the inf row and the wide row
+            assert_bitwise(got.cpu(), ref.cpu(), f"cuda {M}x{K}x{N} {dt}: slices vs kernel")
+            assert_bitwise(got.cpu(), want, f"cuda {M}x{K}x{N} {dt}: cuda vs cpu")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_residues_equal_cpu_and_kernel(monkeypatch):
     for chunk_mib in ("256", "1"):  # one N-chunk, then chunks of 80 columns

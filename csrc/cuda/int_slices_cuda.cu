@@ -20,81 +20,167 @@ namespace {
 constexpr int kRowThreads = 256;
 constexpr int kThreads = 256;
 
+// Rows of `a` (K elements each) load as aligned 4-element vectors.
+template <typename T>
+bool quads_aligned(const T* a, int64_t K) {
+  return K % 4 == 0 && reinterpret_cast<uintptr_t>(a) % (4 * sizeof(T)) == 0;
+}
+
 unsigned grid_for(int64_t n) { return unsigned(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535 * 16)); }
 
-// One block per row: the row's largest exponent, lowest set bit and any inf/NaN, reduced; then
-// the histogram of its elements' needs (int_slices.h, need_bin) and its plan, which thread 0
-// writes and adds to the operand's summary.
+// Loads a thread issues before it uses the first (session 13: one scalar load in flight per
+// thread kept row_needs and make_slices at ~1.3 TB/s, latency-bound).
+constexpr int kQuadsInFlight = 4;
+
+// Four consecutive elements of a row, one vector access when `vec` (aligned base, K % 4 == 0).
 template <typename T>
-__global__ void row_needs_kernel(const T* __restrict__ a, int64_t R, int64_t K, int bits, int32_t* __restrict__ out,
-                                 int32_t* __restrict__ sum) {
-  __shared__ int s_hi[kRowThreads], s_lo[kRowThreads], s_bad[kRowThreads];
-  __shared__ int s_hist[kNeedBins];
-  const int lane = threadIdx.x & 31;
-  for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
-    int hi = -32768, lo = 32767, bad = 0;
-    for (int64_t k = threadIdx.x; k < K; k += blockDim.x) {
-      const double v = wide(a, r * K + k);
-      if (!is_finite(v)) {
-        bad = 1;
-      } else {
-        const ExpStat s = exp_stat(v);
-        hi = max(hi, s.hi);
-        lo = min(lo, s.lo);
-      }
+struct alignas(4 * sizeof(T)) Quad {
+  T e[4];
+};
+
+// row[k..k+3] as stored (widened where used: fewer registers per load in flight); zeros past K
+// (a zero is neutral for every statistic below and is never sliced: make_slices skips k >= K).
+template <typename T>
+__device__ __forceinline__ Quad<T> load_quad(const T* __restrict__ row, int64_t k, int64_t K, bool vec) {
+  if (vec && k < K) return *reinterpret_cast<const Quad<T>*>(row + k);  // k, K % 4 == 0: all in the row
+  Quad<T> q;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) q.e[e] = k + e < K ? row[k + e] : T{};
+  return q;
+}
+
+// U quads of a row, `step` elements apart from k0 (each load coalesced across the threads), all
+// issued before any is used.
+template <typename T, int U>
+__device__ __forceinline__ void load_round(Quad<T> (&v)[U], const T* __restrict__ row, int64_t k0, int64_t step,
+                                           int64_t K, bool vec) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) v[u] = load_quad(row, k0 + u * step, K, vec);
+}
+
+// f(x) for each of the round's 4 U elements, widened to fp64.
+template <typename T, int U, typename F>
+__device__ __forceinline__ void each_element(const Quad<T> (&v)[U], F&& f) {
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) f(wide(v[u].e, e));
+}
+
+__device__ __forceinline__ int warp_max(int v) {
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ int warp_min(int v) {
+  for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ int warp_sum(int v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// A row's plan from its reduced statistics: written to out[3r..3r+2] and added to the summary.
+__device__ void finish_row_needs(const int* hist, int hi, int lo, int bad, int bits, int64_t r,
+                                 int32_t* __restrict__ out, int32_t* __restrict__ sum) {
+  int depth[kSliceMax], count[kSliceMax];
+  const int need = bad ? kSliceNeedBad : row_plan(hist, hi, lo, bits, depth, count);
+  out[3 * r] = hi;
+  out[3 * r + 1] = need;
+  out[3 * r + 2] = lo;
+  if (need > kSliceMax) {
+    atomicAdd(&sum[kSumBad], 1);
+  } else if (need > 0) {
+    atomicMax(&sum[kSumNeed], need);
+    for (int s = need; s <= kSliceMax; ++s) {
+      if (count[s - 1] == 0) break;  // fewer residues at every larger S
+      atomicMax(&sum[kSumDepth + s - 1], depth[s - 1]);
+      atomicAdd(&sum[kSumCount + s - 1], count[s - 1]);
     }
-    s_hi[threadIdx.x] = hi;
-    s_lo[threadIdx.x] = lo;
-    s_bad[threadIdx.x] = bad;
-    if (threadIdx.x < kNeedBins) s_hist[threadIdx.x] = 0;
-    __syncthreads();
-    for (int st = blockDim.x / 2; st > 0; st >>= 1) {
-      if (threadIdx.x < st) {
-        s_hi[threadIdx.x] = max(s_hi[threadIdx.x], s_hi[threadIdx.x + st]);
-        s_lo[threadIdx.x] = min(s_lo[threadIdx.x], s_lo[threadIdx.x + st]);
-        s_bad[threadIdx.x] |= s_bad[threadIdx.x + st];
-      }
-      __syncthreads();
-    }
-    hi = s_hi[0];
-    lo = s_lo[0];
-    bad = s_bad[0];
-    if (!bad && hi >= lo) {
-      // every thread of the block runs the same iterations, so whole warps meet at the match
-      for (int64_t k0 = 0; k0 < K; k0 += blockDim.x) {
-        const int64_t k = k0 + threadIdx.x;
-        int bin = 0;
-        if (k < K) {
-          const double v = wide(a, r * K + k);
-          if (v != 0.0) bin = need_bin(hi, exp_stat(v).lo, bits);
-        }
-        const unsigned peers = __match_any_sync(0xffffffffu, bin);
-        if (bin != 0 && lane == __ffs(peers) - 1) atomicAdd(&s_hist[bin], __popc(peers));
-      }
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      int depth[kSliceMax], count[kSliceMax];
-      const int need = bad ? kSliceNeedBad : row_plan(s_hist, hi, lo, bits, depth, count);
-      out[3 * r] = hi;
-      out[3 * r + 1] = need;
-      out[3 * r + 2] = lo;
-      if (need > kSliceMax) {
-        atomicAdd(&sum[kSumBad], 1);
-      } else if (need > 0) {
-        atomicMax(&sum[kSumNeed], need);
-        for (int s = need; s <= kSliceMax; ++s) {
-          if (count[s - 1] == 0) break;  // fewer residues at every larger S
-          atomicMax(&sum[kSumDepth + s - 1], depth[s - 1]);
-          atomicAdd(&sum[kSumCount + s - 1], count[s - 1]);
-        }
-      }
-    }
-    __syncthreads();
   }
 }
 
-// Block row blockIdx.y slices operand rows r; each thread 4 consecutive elements of the padded
+// G threads per row (G = 32: a warp per row, eight rows a block, for short rows; G = kRowThreads:
+// the block): the row's largest exponent, lowest set bit and any inf/NaN, reduced; then the
+// histogram of its elements' needs (int_slices.h, need_bin) and its plan (finish_row_needs). Each
+// thread keeps kQuadsInFlight 4-element loads in flight; a row that one such round covers is read
+// once (the histogram reuses the registers), a longer one twice (the second read mostly from L1).
+// Every reduction is of max / min / or / integer sums: no order can show.
+template <typename T, int G>
+__global__ void __launch_bounds__(kRowThreads) row_needs_kernel(const T* __restrict__ a, int64_t R, int64_t K,
+                                                                int bits, bool vec, int32_t* __restrict__ out,
+                                                                int32_t* __restrict__ sum) {
+  constexpr int kGroups = kRowThreads / G, kWarps = G / 32, U = kQuadsInFlight;
+  __shared__ int s_hi[kWarps], s_lo[kWarps], s_bad[kWarps], s_hist[kNeedBins];  // G > 32 only
+  const int t = threadIdx.x % G, lane = threadIdx.x & 31, warp = t / 32;
+  const int64_t round = int64_t(G) * 4 * U;  // elements one round of loads covers
+  const bool one_round = K <= round;
+  for (int64_t r = int64_t(blockIdx.x) * kGroups + threadIdx.x / G; r < R; r += int64_t(gridDim.x) * kGroups) {
+    const T* row = a + r * K;
+    Quad<T> v[U];
+    int hi = -32768, lo = 32767, bad = 0;
+    for (int64_t k0 = int64_t(t) * 4; k0 < K; k0 += round) {
+      load_round(v, row, k0, G * 4, K, vec);
+      each_element(v, [&](double x) {
+        if (!is_finite(x)) {
+          bad = 1;
+        } else {
+          const ExpStat st = exp_stat(x);  // a zero (or padding) gives (-32768, 32767)
+          hi = max(hi, st.hi);
+          lo = min(lo, st.lo);
+        }
+      });
+    }
+    hi = warp_max(hi);
+    lo = warp_min(lo);
+    bad = warp_max(bad);
+    if constexpr (G > 32) {
+      if (lane == 0) {
+        s_hi[warp] = hi;
+        s_lo[warp] = lo;
+        s_bad[warp] = bad;
+      }
+      if (t < kNeedBins) s_hist[t] = 0;
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < kWarps; ++i) {
+        hi = max(hi, s_hi[i]);
+        lo = min(lo, s_lo[i]);
+        bad = max(bad, s_bad[i]);
+      }
+    }
+    int hist[kNeedBins] = {};  // this thread's counts (bins 1..kSliceMax + 1), then the row's
+    if (!bad && hi >= lo) {
+      for (int64_t k0 = int64_t(t) * 4; k0 < K; k0 += round) {
+        if (!one_round) load_round(v, row, k0, G * 4, K, vec);
+        each_element(v, [&](double x) {
+          const int bin = x != 0.0 ? need_bin(hi, exp_stat(x).lo, bits) : 0;
+#pragma unroll
+          for (int b = 1; b < kNeedBins; ++b) hist[b] += bin == b;
+        });
+      }
+    }
+#pragma unroll
+    for (int b = 1; b < kNeedBins; ++b) hist[b] = warp_sum(hist[b]);
+    if constexpr (G > 32) {
+      if (lane == 0) {
+#pragma unroll
+        for (int b = 1; b < kNeedBins; ++b) atomicAdd(&s_hist[b], hist[b]);
+      }
+      __syncthreads();
+      if (t == 0) {
+#pragma unroll
+        for (int b = 1; b < kNeedBins; ++b) hist[b] = s_hist[b];
+        finish_row_needs(hist, hi, lo, bad, bits, r, out, sum);
+      }
+      __syncthreads();  // s_hist is read above before the next row clears it
+    } else if (lane == 0) {
+      finish_row_needs(hist, hi, lo, bad, bits, r, out, sum);
+    }
+  }
+}
+
+// Block row blockIdx.y slices operand rows r; each thread groups of 4 consecutive elements of the padded
 // (Rp, nch * Kc) operand (Kc % 16 == 0: they share a chunk), written as one 32-bit word per slice.
 // Zeros for padding, zero rows and rows left to the kernel, so the slices need no zero-fill first;
 // residues go to their row's list in any order (the combine's sum is exact: the order cannot show).
@@ -103,8 +189,9 @@ __global__ void make_slices_kernel(const T* __restrict__ a, const int32_t* __res
                                    int64_t K, int S, int bits, bool reverse, int64_t Kc, int64_t nch,
                                    int8_t* __restrict__ out, int32_t* __restrict__ sh, int32_t* __restrict__ rcount,
                                    int32_t* __restrict__ ridx, double* __restrict__ rval, int32_t* __restrict__ F,
-                                   int32_t* __restrict__ left, CrtConsts crt) {
+                                   int32_t* __restrict__ left, bool vec, CrtConsts crt) {
   // Q > 0 (the CRT way, crt.h; nch == 1): Q remainder planes instead of S slices
+  constexpr int U = kCrt ? 1 : kQuadsInFlight;  // the CRT form's registers leave no room for more
   const int Q = crt.count;
   const int64_t Kp = nch * Kc, width = Kp * (Q > 0 ? Q : S);
   const int64_t step = reverse ? -Kc : Kc;
@@ -117,51 +204,60 @@ __global__ void make_slices_kernel(const T* __restrict__ a, const int32_t* __res
       if (F != nullptr) F[r] = live ? max(0, needs[3 * r] + 3 - bits * S - needs[3 * r + 2]) : 0;
       if (left != nullptr && need > S) left[1 + atomicAdd(left, 1)] = int32_t(r);  // a guessed S too small
     }
-    for (int64_t k4 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4; k4 < Kp;
-         k4 += int64_t(gridDim.x) * blockDim.x * 4) {
-      const int64_t c = k4 / Kc, kk = k4 - c * Kc;
-      int8_t* dst = Q > 0 ? out + r * width + kk : out + r * width + (c * S + (reverse ? S - 1 : 0)) * Kc + kk;
-      // four elements' bytes per slice (or per remainder plane), one 32-bit store each
-      uint32_t words[kCrtMax > kSliceMax ? kCrtMax : kSliceMax];
+    // each thread: U quads a round, stride elements apart
+    const T* row = a + r * K;
+    const int64_t stride = int64_t(gridDim.x) * blockDim.x * 4;
+    for (int64_t k0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4; k0 < Kp; k0 += stride * U) {
+      Quad<T> v[U];
+      load_round(v, row, live ? k0 : K, stride, K, vec);  // nothing loaded (zeros) unless live
 #pragma unroll
-      for (int q = 0; q < (kCrtMax > kSliceMax ? kCrtMax : kSliceMax); ++q) words[q] = 0;
-      if (live) {
+      for (int u = 0; u < U; ++u) {
+        const int64_t k4 = k0 + u * stride;
+        if (k4 >= Kp) break;
+        const int64_t c = k4 / Kc, kk = k4 - c * Kc;
+        int8_t* dst = Q > 0 ? out + r * width + kk : out + r * width + (c * S + (reverse ? S - 1 : 0)) * Kc + kk;
+        // four elements' bytes per slice (or per remainder plane), one 32-bit store each
+        uint32_t words[kCrtMax > kSliceMax ? kCrtMax : kSliceMax];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int64_t k = k4 + e;
-          if (k >= K) break;
-          const double v = wide(a, r * K + k);
-          int64_t X = window_integer(v, s);
-          if (rcount != nullptr) {
-            const double x3 = double(X) * pow2(-s);
-            if (v != x3) {
-              // row_plan bounded this row's residues at S by kResidueCap
-              const int j = atomicAdd(&rcount[r], 1);
-              ridx[r * kResidueCap + j] = int32_t(k);
-              rval[r * kResidueCap + j] = v - x3;  // exact: the bits below the window
+        for (int q = 0; q < (kCrtMax > kSliceMax ? kCrtMax : kSliceMax); ++q) words[q] = 0;
+        if (live) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int64_t k = k4 + e;
+            if (k >= K) break;
+            const double x = wide(v[u].e, e);
+            int64_t X = window_integer(x, s);
+            if (rcount != nullptr) {
+              const double x3 = double(X) * pow2(-s);
+              if (x != x3) {
+                // row_plan bounded this row's residues at S by kResidueCap
+                const int j = atomicAdd(&rcount[r], 1);
+                ridx[r * kResidueCap + j] = int32_t(k);
+                rval[r * kResidueCap + j] = x - x3;  // exact: the bits below the window
+              }
+            }
+            if constexpr (kCrt) {  // the digits, then their remainders modulo Q moduli (crt.h)
+              uint32_t lo, hi;
+              digit_words(X, S, bits, &lo, &hi);
+#pragma unroll
+              for (int t = 0; t < kCrtMax; ++t)
+                if (t < Q) words[t] |= uint32_t(uint8_t(crt_remainder(lo, hi, t, crt))) << (8 * e);
+            } else {
+#pragma unroll
+              for (int q = 0; q < kSliceMax; ++q)
+                if (q < S) words[q] |= uint32_t(uint8_t(next_digit(X, bits))) << (8 * e);
             }
           }
-          if constexpr (kCrt) {  // the digits, then their remainders modulo Q moduli (crt.h)
-            uint32_t lo, hi;
-            digit_words(X, S, bits, &lo, &hi);
-#pragma unroll
-            for (int t = 0; t < kCrtMax; ++t)
-              if (t < Q) words[t] |= uint32_t(uint8_t(crt_remainder(lo, hi, t, crt))) << (8 * e);
-          } else {
-#pragma unroll
-            for (int q = 0; q < kSliceMax; ++q)
-              if (q < S) words[q] |= uint32_t(uint8_t(next_digit(X, bits))) << (8 * e);
-          }
         }
-      }
-      if constexpr (kCrt) {
+        if constexpr (kCrt) {
 #pragma unroll
-        for (int t = 0; t < kCrtMax; ++t)
-          if (t < Q) *reinterpret_cast<uint32_t*>(dst + t * Kc) = words[t];
-      } else {
+          for (int t = 0; t < kCrtMax; ++t)
+            if (t < Q) *reinterpret_cast<uint32_t*>(dst + t * Kc) = words[t];
+        } else {
 #pragma unroll
-        for (int q = 0; q < kSliceMax; ++q)
-          if (q < S) *reinterpret_cast<uint32_t*>(dst + q * step) = words[q];
+          for (int q = 0; q < kSliceMax; ++q)
+            if (q < S) *reinterpret_cast<uint32_t*>(dst + q * step) = words[q];
+        }
       }
     }
   }
@@ -299,10 +395,16 @@ at::Tensor row_needs_cuda(const at::Tensor& a, int64_t bits, at::Tensor& sum) {
   const int64_t R = a.size(0), K = a.size(1);
   at::Tensor out = uninit({R, 3}, a.options().dtype(at::kInt));  // every row written
   if (R > 0) {
-    const unsigned grid = unsigned(std::min<int64_t>(R, 65535 * 4));
     with_elements(a, [&](auto* p) {
-      row_needs_kernel<<<grid, kRowThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-          p, R, K, int(bits), out.data_ptr<int32_t>(), sum.data_ptr<int32_t>());
+      using T = std::remove_cv_t<std::remove_pointer_t<decltype(p)>>;
+      // a warp per row for rows of <= 1024 elements (a block would idle most of its threads)
+      const bool warp_rows = K <= 1024;
+      const int64_t groups = warp_rows ? (R + kRowThreads / 32 - 1) / (kRowThreads / 32) : R;
+      const unsigned grid = unsigned(std::min<int64_t>(groups, 65535 * 4));
+      auto kernel = warp_rows ? row_needs_kernel<T, 32> : row_needs_kernel<T, kRowThreads>;
+      kernel<<<grid, kRowThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(p, R, K, int(bits), quads_aligned(p, K),
+                                                                          out.data_ptr<int32_t>(),
+                                                                          sum.data_ptr<int32_t>());
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
@@ -319,16 +421,18 @@ SliceOperand make_slices_cuda(const at::Tensor& a, const at::Tensor& needs, int6
     return so;
   }
   with_elements(a, [&](auto* p) {
-    const dim3 grid(unsigned(std::min<int64_t>((nch * Kc / 4 + kThreads - 1) / kThreads, 65535)),
-                    unsigned(std::min<int64_t>(Rp, 65535)));
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(p)>>;
+    const int64_t quads_per_thread = moduli > 0 ? 1 : kQuadsInFlight;  // the kernel's U
+    const dim3 grid(unsigned(std::min<int64_t>(
+                        (nch * Kc / 4 + kThreads * quads_per_thread - 1) / (kThreads * quads_per_thread), 65535)),
+                    unsigned(std::min<int64_t>(Rp, 65535)));
     auto kernel = moduli > 0 ? make_slices_kernel<T, true> : make_slices_kernel<T, false>;
     kernel<<<grid, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         p, needs.data_ptr<int32_t>(), R, Rp, K, int(S), int(bits), reverse, Kc, nch, so.q.data_ptr<int8_t>(),
         so.sh.data_ptr<int32_t>(), residues ? so.rcount.data_ptr<int32_t>() : nullptr,
         residues ? so.ridx.data_ptr<int32_t>() : nullptr, residues ? so.rval.data_ptr<double>() : nullptr,
         residues ? so.F.data_ptr<int32_t>() : nullptr, left.defined() ? left.data_ptr<int32_t>() : nullptr,
-        moduli > 0 ? crt_consts(int(bits), int(moduli)) : CrtConsts{});
+        quads_aligned(p, K), moduli > 0 ? crt_consts(int(bits), int(moduli)) : CrtConsts{});
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return so;
