@@ -58,13 +58,64 @@ __device__ __forceinline__ void load_round(Quad<T> (&v)[U], const T* __restrict_
   for (int u = 0; u < U; ++u) v[u] = load_quad(row, k0 + u * step, K, vec);
 }
 
-// f(x) for each of the round's 4 U elements, widened to fp64.
+// f(u) for each of the round's 4 U elements, as fp32 bit patterns (f32_bits).
 template <typename T, int U, typename F>
 __device__ __forceinline__ void each_element(const Quad<T> (&v)[U], F&& f) {
 #pragma unroll
   for (int u = 0; u < U; ++u)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) f(wide(v[u].e, e));
+    for (int e = 0; e < 4; ++e) f(f32_bits(v[u].e[e]));
+}
+
+// window_integer(v, s) (trunc(v 2^s)) of the finite fp32 pattern u in integer arithmetic, and
+// whether v has bits below 2^-s (a residue). The caller's row keeps |v 2^s| < 2^62.
+__device__ __forceinline__ int64_t window_integer_bits(uint32_t u, int s, bool* below) {
+  const F32Parts p = f32_parts(u);
+  const int sh = p.e + s;
+  uint64_t mag = 0;
+  if (sh >= 0) {
+    mag = uint64_t(p.m) << sh;
+    *below = false;
+  } else if (sh > -32) {
+    mag = p.m >> -sh;
+    *below = (p.m << (32 + sh)) != 0;
+  } else {
+    *below = p.m != 0;
+  }
+  return p.neg ? -int64_t(mag) : int64_t(mag);
+}
+
+// The S balanced digits (least significant first) of four window integers, packed one 32-bit
+// word per slice (element e in byte e). Y = X + sum_q 2^(bits - 1) 2^(bits q) holds the digits
+// plus 2^(bits - 1) as its plain base-2^bits digits (|X| < 2^(bits S - 2): 0 <= Y < 2^(bits S)),
+// the same digits next_digit peels off one by one. 8-bit digits are Y's bytes: byte permutes.
+__device__ __forceinline__ void digit_planes(const int64_t (&X)[4], int S, int bits, uint32_t* words) {
+  uint64_t off = 0;
+  for (int q = 0; q < S; ++q) off |= uint64_t(1) << (bits * q + bits - 1);
+  uint64_t Y[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) Y[e] = uint64_t(X[e]) + off;
+  if (bits == 8) {
+#pragma unroll
+    for (int q = 0; q < kSliceMax; ++q) {
+      if (q >= S) break;
+      const int word = q < 4 ? 0 : 32, b = q & 3;  // Y's 32-bit half holding byte q
+      const uint32_t sel = uint32_t(b) | uint32_t(b + 4) << 4;
+      const uint32_t lo2 = __byte_perm(uint32_t(Y[0] >> word), uint32_t(Y[1] >> word), sel);
+      const uint32_t hi2 = __byte_perm(uint32_t(Y[2] >> word), uint32_t(Y[3] >> word), sel);
+      words[q] = __byte_perm(lo2, hi2, 0x5410) ^ 0x80808080u;
+    }
+  } else {
+    const uint64_t mask = (uint64_t(1) << bits) - 1;
+#pragma unroll
+    for (int q = 0; q < kSliceMax; ++q) {
+      if (q >= S) break;
+      uint32_t w = 0;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) w |= uint32_t(uint8_t(((Y[e] >> (bits * q)) & mask) - (mask >> 1) - 1)) << (8 * e);
+      words[q] = w;
+    }
+  }
 }
 
 __device__ __forceinline__ int warp_max(int v) {
@@ -121,13 +172,13 @@ __global__ void __launch_bounds__(kRowThreads) row_needs_kernel(const T* __restr
     int hi = -32768, lo = 32767, bad = 0;
     for (int64_t k0 = int64_t(t) * 4; k0 < K; k0 += round) {
       load_round(v, row, k0, G * 4, K, vec);
-      each_element(v, [&](double x) {
-        if (!is_finite(x)) {
+      each_element(v, [&](uint32_t x) {  // exp_stat's hi and lo, from the fp32 pattern
+        const F32Parts p = f32_parts(x);
+        if (!f32_finite(x)) {
           bad = 1;
-        } else {
-          const ExpStat st = exp_stat(x);  // a zero (or padding) gives (-32768, 32767)
-          hi = max(hi, st.hi);
-          lo = min(lo, st.lo);
+        } else if (p.m != 0) {  // a zero (or padding) changes neither
+          hi = max(hi, p.e + 31 - __clz(p.m));
+          lo = min(lo, p.e + __ffs(p.m) - 1);
         }
       });
     }
@@ -149,19 +200,25 @@ __global__ void __launch_bounds__(kRowThreads) row_needs_kernel(const T* __restr
         bad = max(bad, s_bad[i]);
       }
     }
-    int hist[kNeedBins] = {};  // this thread's counts (bins 1..kSliceMax + 1), then the row's
+    // over[s - 1]: elements needing more than s slices (need_bin > s), i.e. whose lowest set bit
+    // lies below the s-slice window: lo_el < hi + 3 - bits s. No division per element.
+    int over[kSliceMax] = {};
     if (!bad && hi >= lo) {
       for (int64_t k0 = int64_t(t) * 4; k0 < K; k0 += round) {
         if (!one_round) load_round(v, row, k0, G * 4, K, vec);
-        each_element(v, [&](double x) {
-          const int bin = x != 0.0 ? need_bin(hi, exp_stat(x).lo, bits) : 0;
+        each_element(v, [&](uint32_t x) {
+          const F32Parts p = f32_parts(x);
+          const int lo_el = p.m != 0 ? p.e + __ffs(p.m) - 1 : 32767;  // a zero needs nothing
 #pragma unroll
-          for (int b = 1; b < kNeedBins; ++b) hist[b] += bin == b;
+          for (int q = 1; q <= kSliceMax; ++q) over[q - 1] += lo_el < hi + 3 - bits * q;
         });
       }
     }
+    int hist[kNeedBins] = {};  // row_plan's histogram from the counts: bin b holds need == b (bin 1 unused)
 #pragma unroll
-    for (int b = 1; b < kNeedBins; ++b) hist[b] = warp_sum(hist[b]);
+    for (int q = 1; q <= kSliceMax; ++q) over[q - 1] = warp_sum(over[q - 1]);
+#pragma unroll
+    for (int b = 2; b < kNeedBins; ++b) hist[b] = over[b - 2] - (b - 1 < kSliceMax ? over[b - 1] : 0);
     if constexpr (G > 32) {
       if (lane == 0) {
 #pragma unroll
@@ -220,35 +277,31 @@ __global__ void make_slices_kernel(const T* __restrict__ a, const int32_t* __res
         uint32_t words[kCrtMax > kSliceMax ? kCrtMax : kSliceMax];
 #pragma unroll
         for (int q = 0; q < (kCrtMax > kSliceMax ? kCrtMax : kSliceMax); ++q) words[q] = 0;
+        int64_t X[4] = {0, 0, 0, 0};  // zero (all-zero digits) past K, in padding and in rows not live
         if (live) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int64_t k = k4 + e;
             if (k >= K) break;
-            const double x = wide(v[u].e, e);
-            int64_t X = window_integer(x, s);
-            if (rcount != nullptr) {
-              const double x3 = double(X) * pow2(-s);
-              if (x != x3) {
-                // row_plan bounded this row's residues at S by kResidueCap
-                const int j = atomicAdd(&rcount[r], 1);
-                ridx[r * kResidueCap + j] = int32_t(k);
-                rval[r * kResidueCap + j] = x - x3;  // exact: the bits below the window
-              }
+            bool below;
+            X[e] = window_integer_bits(f32_bits(v[u].e[e]), s, &below);
+            if (rcount != nullptr && below) {
+              // row_plan bounded this row's residues at S by kResidueCap
+              const double x = wide(v[u].e, e), x3 = double(X[e]) * pow2(-s);
+              const int j = atomicAdd(&rcount[r], 1);
+              ridx[r * kResidueCap + j] = int32_t(k);
+              rval[r * kResidueCap + j] = x - x3;  // exact: the bits below the window
             }
             if constexpr (kCrt) {  // the digits, then their remainders modulo Q moduli (crt.h)
               uint32_t lo, hi;
-              digit_words(X, S, bits, &lo, &hi);
+              digit_words(X[e], S, bits, &lo, &hi);
 #pragma unroll
               for (int t = 0; t < kCrtMax; ++t)
                 if (t < Q) words[t] |= uint32_t(uint8_t(crt_remainder(lo, hi, t, crt))) << (8 * e);
-            } else {
-#pragma unroll
-              for (int q = 0; q < kSliceMax; ++q)
-                if (q < S) words[q] |= uint32_t(uint8_t(next_digit(X, bits))) << (8 * e);
             }
           }
         }
+        if constexpr (!kCrt) digit_planes(X, S, bits, words);
         if constexpr (kCrt) {
 #pragma unroll
           for (int t = 0; t < kCrtMax; ++t)
