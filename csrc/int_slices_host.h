@@ -135,9 +135,11 @@ struct SliceBackend {
   // Rounded (M, Nv) of out_dtype, or digits (M, Nv, 19), from C (nch * D, Mp, Ncp) int32 and
   // both operands' residues (w's narrowed to the chunk's Nv rows). `wide`, or check.sums: the
   // 128-bit route's proof (WideCheck). moduli > 0: C is (moduli, Mp, Ncp), the remainder sums.
+  // Written into dst when defined (combine_output's view of the whole output: an N-chunk's
+  // columns), else into a new tensor; returns it.
   at::Tensor (*combine)(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOperand& x, const SliceOperand& w,
                         const at::Tensor& bias, int64_t D, int64_t bits, bool wide, const WideCheck& check,
-                        bool digits, at::ScalarType out_dtype, int64_t moduli);
+                        bool digits, at::ScalarType out_dtype, int64_t moduli, const at::Tensor& dst);
   // One int8 GEMM (Int8Gemm) on `device`, exact in int32.
   void (*int8_mm)(const Int8Gemm& g, const at::Device& device);
   // Overwrites the outputs of the rows listed in `left` (make_slices' list: x's rows when x_rows,
@@ -181,6 +183,17 @@ std::array<int64_t, 2> slices_guess_mode();
 // Each device's kernels (csrc/cpu/int_slices_cpu.cpp, csrc/cuda/int_slices_cuda.cu).
 const SliceBackend& slice_backend_cpu();
 const SliceBackend& slice_backend_cuda();
+
+// A combine's destination: dst when defined, else a new (M, Nv) of out_dtype or digits (M, Nv, 19)
+// on C's device (every output written), and its row stride in outputs.
+inline at::Tensor combine_output(const at::Tensor& C, int64_t M, int64_t Nv, bool digits, at::ScalarType out_dtype,
+                                 const at::Tensor& dst = at::Tensor()) {
+  if (dst.defined()) return dst;
+  return digits ? uninit({M, Nv, LDET_WORDS}, C.options().dtype(at::kLong)) : uninit({M, Nv}, C.options().dtype(out_dtype));
+}
+inline int64_t output_row_stride(const at::Tensor& out, bool digits) {
+  return digits ? out.stride(0) / LDET_WORDS : out.stride(0);
+}
 
 using LongAccGemm = std::function<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&)>;
 
@@ -478,16 +491,11 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
         }
       }
     }
-    const bool whole = n0 == 0 && nv == N;
-    at::Tensor part = be.combine(C, M, nv, xo, wo.rows(n0, nv), bd.defined() && !whole ? bd.narrow(0, n0, nv) : bd,
-                                 D, bits, plan.wide, check, digits, out_dtype, Q);
-    if (whole) {
-      out = part;
-    } else {
-      if (!out.defined())
-        out = digits ? uninit({M, N, LDET_WORDS}, part.options()) : uninit({M, N}, part.options());  // every chunk lands
-      out.narrow(1, n0, nv).copy_(part);
-    }
+    // an N-chunk's outputs straight into their columns (a copy per chunk cost ~50 us at 4096^3)
+    if (!out.defined()) out = combine_output(C, M, N, digits, out_dtype);  // every chunk lands
+    const bool whole = n0 == 0 && nv == N;  // no views then (host time)
+    be.combine(C, M, nv, xo, wo.rows(n0, nv), bd.defined() && !whole ? bd.narrow(0, n0, nv) : bd, D, bits, plan.wide,
+               check, digits, out_dtype, Q, whole ? out : out.narrow(1, n0, nv));
   }
 
   if (guessed) {  // rows needing more slices than guessed: listed on the device, recomputed there

@@ -184,6 +184,7 @@ struct CombineView {
   Elems ex, ew;
   const double* bias;
   void* out;
+  int64_t ldo;  // out's row stride, in outputs
 };
 
 // The CRT route's outputs of rows [b, e): the same integer the diagonals build, reconstructed a
@@ -202,7 +203,7 @@ void combine_rows_crt(const CombineView& v, int64_t b, int64_t e) {
         crt_values_fp64(v.c + m * v.Ncp + n0, v.pstride, nb, v.crt, limbs, P);
       }
       for (int64_t j = 0; j < nb; ++j) {
-        const int64_t n = n0 + j, i = m * v.Nv + n;
+        const int64_t n = n0 + j, i = m * v.ldo + n;
         if (plain_row && !v.digits && (v.rw.count == nullptr || v.rw.count[n] == 0)) {
           // no residue terms, no bias: finish_output_fast's rounding alone (wide: P is proven)
           store_fmt(v.out, i, round_signed_int128(P[j], -(v.sx[m] + v.sw[n]), v.fmt), v.fmt);
@@ -233,7 +234,7 @@ void combine_rows(const CombineView& v, int64_t b, int64_t e) {
       const int F = Fx + (v.rw.F ? v.rw.F[n] : 0);
       const double* bn = v.bias ? v.bias + n : nullptr;
       const ResidueTerms terms{v.rx, v.ex, v.sx[m], m, v.rw, v.ew, n};
-      const int64_t i = m * v.Nv + n;
+      const int64_t i = m * v.ldo + n;
       if (v.digits) {
         combine_output<DC>(cp, v.pstride, v.nch, v.D, v.bits, E, F, bn, v.wide, v.fmt, terms, nullptr,
                            static_cast<int64_t*>(v.out) + i * LDET_WORDS);
@@ -259,18 +260,18 @@ void combine_rows_for(const CombineView& v, int64_t b, int64_t e) {
 
 at::Tensor combine_cpu(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOperand& x, const SliceOperand& w,
                        const at::Tensor& bias, int64_t D, int64_t bits, bool wide, const WideCheck& check,
-                       bool digits, at::ScalarType out_dtype, int64_t moduli) {
+                       bool digits, at::ScalarType out_dtype, int64_t moduli, const at::Tensor& dst) {
   if (check.sums != nullptr)  // the summaries are host memory here
     wide = slices_wide(check.sums, check.sums + kSumLen, check.Sx, check.Sw, check.nch, check.Kc, int(bits));
   const int64_t P = C.size(0), Mp = C.size(1), Ncp = C.size(2);
   const int fmt = out_format(out_dtype);
-  at::Tensor out = digits ? uninit({M, Nv, LDET_WORDS}, C.options().dtype(at::kLong))  // every output written
-                          : uninit({M, Nv}, C.options().dtype(out_dtype));
+  at::Tensor out = combine_output(C, M, Nv, digits, out_dtype, dst);
   const at::Tensor shw_c = w.sh.contiguous();
   const CombineView v{C.data_ptr<int32_t>(), Mp * Ncp, Ncp, Nv, D > 0 && moduli == 0 ? int(P / D) : 0, int(D),
                       int(bits), fmt, int(moduli), moduli > 0 ? crt_consts(int(bits), int(moduli)) : CrtConsts{},
                       wide, digits, x.sh.data_ptr<int32_t>(), shw_c.data_ptr<int32_t>(), residues_of(x), residues_of(w),
-                      elems_of(x.a), elems_of(w.a), bias.defined() ? bias.data_ptr<double>() : nullptr, out.data_ptr()};
+                      elems_of(x.a), elems_of(w.a), bias.defined() ? bias.data_ptr<double>() : nullptr, out.data_ptr(),
+                      output_row_stride(out, digits)};
   at::parallel_for(0, M, 8, [&](int64_t b, int64_t e) { combine_rows_for(v, b, e); });
   return out;
 }

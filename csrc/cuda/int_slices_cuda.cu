@@ -331,7 +331,7 @@ template <int DC>
 __global__ void __launch_bounds__(kThreads) combine_fast_kernel(const int32_t* __restrict__ C, int nch, int64_t Mp,
                                                                int64_t Ncp, int64_t M, int64_t Nv, KernelOperand x,
                                                                KernelOperand w, const double* __restrict__ bias, int D,
-                                                               int bits, int fmt, void* __restrict__ out,
+                                                               int bits, int fmt, void* __restrict__ out, int64_t ldo,
                                                                int64_t* __restrict__ list, int32_t* __restrict__ count,
                                                                int64_t cap, WideCheck check, CrtConsts crt) {
   if (check.sums != nullptr &&
@@ -358,7 +358,7 @@ __global__ void __launch_bounds__(kThreads) combine_fast_kernel(const int32_t* _
       const bool ok = finish_output_fast(T, -(shx + w.sh[n]), Fx + (w.res.F ? w.res.F[n] : 0),
                                          bias ? bias + n : nullptr, fmt, terms, &v);
       if (ok) {
-        store_fmt(out, i, v, fmt);
+        store_fmt(out, m * ldo + n, v, fmt);
       } else {
         const int j = atomicAdd(count, 1);
         if (j < cap) list[j] = i;
@@ -372,7 +372,7 @@ __global__ void __launch_bounds__(kThreads) combine_fast_kernel(const int32_t* _
 // host could not bound).
 __global__ void combine_rest_kernel(const int32_t* __restrict__ C, int nch, int64_t Mp, int64_t Ncp, int64_t M,
                                     int64_t Nv, KernelOperand x, KernelOperand w, const double* __restrict__ bias,
-                                    int D, int bits, bool digits, int fmt, void* __restrict__ out,
+                                    int D, int bits, bool digits, int fmt, void* __restrict__ out, int64_t ldo,
                                     const int64_t* __restrict__ list, const int32_t* __restrict__ count, int64_t cap,
                                     CrtConsts crt) {
   int64_t items = M * Nv;
@@ -389,7 +389,8 @@ __global__ void combine_rest_kernel(const int32_t* __restrict__ C, int nch, int6
     const ResidueTerms terms{x.res, x.elems, shx, m, w.res, w.elems, n};
     const int32_t* cp = C + m * Ncp + n;
     const double* bn = bias ? bias + n : nullptr;
-    int64_t* acc_out = digits ? static_cast<int64_t*>(out) + i * LDET_WORDS : nullptr;
+    const int64_t o = m * ldo + n;  // where the output lands (i: its index in the chunk)
+    int64_t* acc_out = digits ? static_cast<int64_t*>(out) + o * LDET_WORDS : nullptr;
     float v;
     if (crt.count > 0) {  // the CRT way: the reconstructed integer into the digits (wide = false)
       combine_output_value(crt_value(cp, Mp * Ncp, crt), -(shx + w.sh[n]), 0, bn, false, fmt, terms,
@@ -398,7 +399,7 @@ __global__ void combine_rest_kernel(const int32_t* __restrict__ C, int nch, int6
       combine_output_digits(cp, Mp * Ncp, nch, D, bits, -(shx + w.sh[n]), bn, fmt, terms, digits ? nullptr : &v,
                             acc_out);
     }
-    if (!digits) store_fmt(out, i, v, fmt);
+    if (!digits) store_fmt(out, o, v, fmt);
   }
 }
 
@@ -406,19 +407,19 @@ __global__ void combine_rest_kernel(const int32_t* __restrict__ C, int nch, int6
 template <int DC = kMaxDiagonals>
 void launch_combine_fast(int D, int nch, dim3 grid, cudaStream_t stream, const int32_t* C, int64_t Mp, int64_t Ncp,
                          int64_t M, int64_t Nv, const KernelOperand& x, const KernelOperand& w, const double* bias,
-                         int bits, int fmt, void* out, int64_t* list, int32_t* count, int64_t cap,
+                         int bits, int fmt, void* out, int64_t ldo, int64_t* list, int32_t* count, int64_t cap,
                          const WideCheck& check, const CrtConsts& crt) {
   if constexpr (DC > 0) {
     if (crt.count == 0 && nch == 1 && D == DC) {
       combine_fast_kernel<DC><<<grid, kThreads, 0, stream>>>(C, nch, Mp, Ncp, M, Nv, x, w, bias, D, bits, fmt, out,
-                                                             list, count, cap, check, crt);
+                                                             ldo, list, count, cap, check, crt);
       return;
     }
-    launch_combine_fast<DC - 1>(D, nch, grid, stream, C, Mp, Ncp, M, Nv, x, w, bias, bits, fmt, out, list, count, cap,
-                                check, crt);
+    launch_combine_fast<DC - 1>(D, nch, grid, stream, C, Mp, Ncp, M, Nv, x, w, bias, bits, fmt, out, ldo, list, count,
+                                cap, check, crt);
   } else {
-    combine_fast_kernel<0><<<grid, kThreads, 0, stream>>>(C, nch, Mp, Ncp, M, Nv, x, w, bias, D, bits, fmt, out, list,
-                                                          count, cap, check, crt);
+    combine_fast_kernel<0><<<grid, kThreads, 0, stream>>>(C, nch, Mp, Ncp, M, Nv, x, w, bias, D, bits, fmt, out, ldo,
+                                                          list, count, cap, check, crt);
   }
 }
 
@@ -508,12 +509,12 @@ KernelOperand kernel_operand(const SliceOperand& o, const at::Tensor& sh_c) {
 
 at::Tensor combine_cuda(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOperand& x, const SliceOperand& w,
                         const at::Tensor& bias, int64_t D, int64_t bits, bool wide_ok, const WideCheck& check,
-                        bool digits, at::ScalarType out_dtype, int64_t moduli) {
+                        bool digits, at::ScalarType out_dtype, int64_t moduli, const at::Tensor& dst) {
   const CrtConsts crt = moduli > 0 ? crt_consts(int(bits), int(moduli)) : CrtConsts{};
   const int fmt = out_format(out_dtype);
   // every output: by the 128-bit kernel, or listed (or all, past the list) for combine_rest_kernel
-  at::Tensor out = digits ? uninit({M, Nv, LDET_WORDS}, C.options().dtype(at::kLong))
-                          : uninit({M, Nv}, C.options().dtype(out_dtype));
+  at::Tensor out = combine_output(C, M, Nv, digits, out_dtype, dst);
+  const int64_t ldo = output_row_stride(out, digits);
   const at::Tensor shx_c = x.sh.contiguous(), shw_c = w.sh.contiguous();
   if (M * Nv > 0) {
     const int nch = moduli > 0 ? 1 : D > 0 ? int(C.size(0) / D) : 0;
@@ -529,18 +530,18 @@ at::Tensor combine_cuda(const at::Tensor& C, int64_t M, int64_t Nv, const SliceO
       at::Tensor count = at::zeros({1}, C.options().dtype(at::kInt));
       at::Tensor list = uninit({cap}, C.options().dtype(at::kLong));  // read below the count only
       launch_combine_fast(int(D), nch, grid, stream, Cp, C.size(1), C.size(2), M, Nv, xo, wo, bp, int(bits), fmt,
-                          out.data_ptr(), list.data_ptr<int64_t>(), count.data_ptr<int32_t>(), cap, check, crt);
+                          out.data_ptr(), ldo, list.data_ptr<int64_t>(), count.data_ptr<int32_t>(), cap, check, crt);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       // sized for the list: when nothing was left, its blocks read the count and return
       const unsigned rest_grid = unsigned(std::min<int64_t>((cap + kThreads - 1) / kThreads, 1024));
       combine_rest_kernel<<<rest_grid, kThreads, 0, stream>>>(Cp, nch, C.size(1), C.size(2), M, Nv, xo, wo, bp, int(D),
-                                                              int(bits), false, fmt, out.data_ptr(),
+                                                              int(bits), false, fmt, out.data_ptr(), ldo,
                                                               list.data_ptr<int64_t>(), count.data_ptr<int32_t>(), cap,
                                                               crt);
     } else {
       combine_rest_kernel<<<grid_for(M * Nv), kThreads, 0, stream>>>(Cp, nch, C.size(1), C.size(2), M, Nv, xo, wo, bp,
                                                                     int(D), int(bits), digits, fmt, out.data_ptr(),
-                                                                    nullptr, nullptr, 0, crt);
+                                                                    ldo, nullptr, nullptr, 0, crt);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
