@@ -1,5 +1,6 @@
 """Kernel times of the exact dot sums (det_row_sums / det_col_sums) at the det_ddp step's
-LayerNorm shape (4096 x 1024, fp32, CUDA), and of det_gelu on 4096 x 4096 when GELU=1.
+LayerNorm shape (4096 x 1024, fp32, CUDA), the column sums of DetLinear's bias gradient
+(8192 x 4096), and of det_gelu on 4096 x 4096 when GELU=1.
 
     python benchmarks/dot_sums_micro.py        # CUDA only
 
@@ -36,9 +37,11 @@ def main():
     a = torch.randn(4096, 1024, device="cuda", generator=g)
     b = torch.randn(4096, 1024, device="cuda", generator=g)
     h = torch.randn(4096, 4096, device="cuda", generator=g)
+    gy = torch.randn(8192, 4096, device="cuda", generator=g)  # DetLinear's bias gradient (8192 tokens)
     rows = det_row_sums(a, b)
     res = dict(rows_ab=mean_us(lambda: det_row_sums(a, b)), rows_a=mean_us(lambda: det_row_sums(a)),
-               cols_ab=mean_us(lambda: det_col_sums(a, b)), cols_a=mean_us(lambda: det_col_sums(a)))
+               cols_ab=mean_us(lambda: det_col_sums(a, b)), cols_a=mean_us(lambda: det_col_sums(a)),
+               cols_8192x4096=mean_us(lambda: det_col_sums(gy)))
     if os.environ.get("GELU"):
         res["gelu_4096x4096"] = mean_us(lambda: det_gelu(h))
     digest = hash(tuple(rows.flatten()[:1000].tolist())) % 10**8  # Python's int hash: stable

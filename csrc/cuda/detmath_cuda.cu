@@ -76,17 +76,34 @@ at::Tensor act_backward_cuda(const at::Tensor& grad, const at::Tensor& x, int64_
   return act_launch(x, &grad, kind);
 }
 
-// Sum over `len` elements starting at `base` with stride `step` (b == nullptr: ones).
+// Terms loaded before any is added: a thread of dot_partial_kernel kept one load in flight
+// while window_add's branches ran (0.39 waves at ~21% occupancy, stalls on L1TEX loads: NOTES,
+// session 11), so the kernel ran at a fraction of its memory floor.
+constexpr int kDotLoadsInFlight = 8;
+
+// Sum over `len` elements starting at `base` with stride `step` (b == nullptr: ones). The terms
+// are added in index order, kDotLoadsInFlight loaded at a time; the order cannot show in the
+// bytes anyway (the digits' canonical form of an exact sum is unique).
 template <typename T>
 __device__ void dot_strided(const T* a, const T* b, int64_t base, int64_t step, int64_t len,
                             int64_t* __restrict__ out) {
   int64_t acc[LDET_WORDS];
   zero(acc);
   WindowAcc win;  // most terms stay in registers (csrc/window_acc.h)
-  for (int64_t j = 0; j < len; ++j) {
-    const int64_t k = base + j * step;
-    window_add(win, acc, b ? wide(a, k) * wide(b, k) : wide(a, k));  // exact product of two narrow floats
-    if (((j + 1) & (LDET_NORM_INTERVAL - 1)) == 0) normalize(acc);
+  for (int64_t j0 = 0; j0 < len; j0 += kDotLoadsInFlight) {
+    const int64_t n = len - j0 < kDotLoadsInFlight ? len - j0 : kDotLoadsInFlight;
+    double v[kDotLoadsInFlight];
+#pragma unroll
+    for (int u = 0; u < kDotLoadsInFlight; ++u) {
+      const int64_t k = base + (j0 + u) * step;
+      v[u] = u < n ? (b ? wide(a, k) * wide(b, k) : wide(a, k)) : 0.0;  // exact product of two narrow floats
+    }
+#pragma unroll
+    for (int u = 0; u < kDotLoadsInFlight; ++u) {
+      if (u < n) window_add(win, acc, v[u]);
+    }
+    // LDET_NORM_INTERVAL (2^30) is a multiple of kDotLoadsInFlight: this is the per-term rule
+    if (((j0 + kDotLoadsInFlight) & (LDET_NORM_INTERVAL - 1)) == 0) normalize(acc);
   }
   window_flush(win, acc);
   normalize(acc);
