@@ -121,10 +121,12 @@ inline void int8_mm_aten(const Int8Gemm& g, const at::Device& device) {
 // that lie close to a rounding boundary. Leaving diagonals 0..low-1 out of the GEMMs gives T with
 // |P - T| <= B = K 2^(2 bits - 2) sum_{d < low} pairs_d 2^(bits d); the combine rounds T - B and
 // T + B and keeps the result where they agree (int_slices.h, finish_output_bounded), and finds P
-// exactly for the rest (their low diagonals from the slices, one output at a time). fp32 at
-// S = 5 + 5, K = 4096: low = 3 leaves out 6 of the 25 pairs' multiply-adds, B < 2^43.6 against
-// |P| < 2^88; an output of random normal data sits ~2^77 with its rounding step ~2^54, so about
-// one in 2^9 takes the exact way (benchmarks/NOTES.md, session 14).
+// exactly for the rest (their low diagonals from the slices, one output at a time: ~24-48 KB
+// of slices read per output, so that way has to stay rare). fp32 at S = 5 + 5, K = 4096: low = 2
+// leaves out 3 of the 25 pairs' multiply-adds, B < 2^35.01 against |P| < 2^88; an output of random
+// normal data sits near 2^74-2^77 with its rounding step 2^51-2^54, so about one in 2^16 takes the
+// exact way. low = 3 (B < 2^43.6, margin 44) measured one in ~130 (an emulation: 3 of 400) and
+// 12 ms of exact outputs against 0.75 ms of GEMMs saved (benchmarks/NOTES.md, session 14).
 struct LowDiagonals {
   int low = 0;         // diagonals 0..low-1 left out (0: none)
   uint64_t bound = 0;  // B, in units of the products' lowest bit
@@ -373,8 +375,8 @@ inline int64_t crt_moduli(const SliceBackend& be, int mode, int64_t M, int64_t N
   return crt_cost < double(Sx * Sw) * mn * double(K) ? Q : 0;
 }
 
-// Bits between P's bound and B: the fallback rate above (each bit fewer doubles it).
-constexpr int kLowDiagonalMargin = 44;
+// Bits between P's bound and B: the exact way's rate above (each bit fewer doubles it).
+constexpr int kLowDiagonalMargin = 52;
 
 inline int diagonal_pairs(int d, int Sx, int Sw) {
   const int i0 = std::max(0, d - (Sw - 1)), i1 = std::min(d, Sx - 1);

@@ -222,14 +222,14 @@ def test_cuda_residues_equal_cpu_and_kernel(monkeypatch):
 
 def low_diagonal_operands(M=300, N=200, K=512):
     """Random fp32 rows (5 + 5 slices) plus planted rows whose outputs only the lowest diagonals
-    decide. a = b = 2^-10 + 2^-33: in a row topped by 2^-10 at S = 5, 2^-33 is digit 64 of slice
-    1, so out[0, 0] = a b - 2^-10 b = 2^-33 b = 2^-43 + 2^-66 holds slice 1 x slice 1 (diagonal 2,
-    left out of the GEMMs) as its last bit. Row 1 cancels exactly (out[1, :2] == +0.0)."""
+    decide. a = 2^-10 + 2^-33: in a row topped by 1.0 at S = 5, 2^-33 is digit 16 of slice 0, so
+    out[0, 0] = a a - 2^-10 a = 2^-33 a = 2^-43 + 2^-66 holds slice 0 x slice 0 (diagonal 0, left
+    out of the GEMMs) as its last bit; the 1.0s meet zeros. Row 1 cancels exactly (out[1, :2] == +0.0)."""
     x, w = gen.normal((M, K), torch.float32, 50), gen.normal((N, K), torch.float32, 51)
     a = 2.0**-10 + 2.0**-33
     x[:2], w[:2] = 0, 0
-    x[0, 0], x[0, 1] = a, -(2.0**-10)
-    w[0, 0], w[0, 1] = a, a
+    x[0, 0], x[0, 1], x[0, 2] = a, -(2.0**-10), 1.0
+    w[0, 0], w[0, 1], w[0, 3] = a, a, 1.0
     x[1, 0], x[1, 1] = 3.0 + 2.0**-20, -(3.0 + 2.0**-20)
     w[1, 0], w[1, 1] = 1.0 + 2.0**-23, 1.0 + 2.0**-23
     return x, w
@@ -240,7 +240,7 @@ def test_cuda_low_diagonals_left_out_keep_the_bytes(monkeypatch):
     # CUDA leaves the lowest diagonals' GEMMs out where their sum's bound B is far below the
     # outputs (int_slices_host.h, "Low diagonals"): an output whose rounding T - B and T + B do not
     # agree on is found exactly from the slices. The planted out[0, 0] is such an output, and its
-    # last bit comes from a left-out diagonal: a fallback that skipped them, or read the wrong
+    # last bit comes from a left-out diagonal: an exact way that skipped them, or read the wrong
     # slices, would round 2^-43 + 2^-66 to 2^-43
     x, w = low_diagonal_operands()
     b = gen.normal((w.shape[0],), torch.float32, 52)
@@ -260,7 +260,7 @@ def test_cuda_low_diagonals_left_out_keep_the_bytes(monkeypatch):
             plan = last_slices_plan()
             got_nobias = det_gemm(xc, wc).cpu()
         assert (plan["slices_x"], plan["slices_w"]) == (5, 5), plan
-        assert (plan["low_diagonals"] == 3) == (setting == "1"), plan  # B < 2^40.6 < 2^(85 - 44)
+        assert (plan["low_diagonals"] == 2) == (setting == "1"), plan  # B < 2^32.01 < 2^(85 - 52)
         assert_bitwise(got, cpu, f"cuda (low diagonals {setting}) vs cpu")
         assert_bitwise(got_nobias[:2, :2], ref[:, :2], f"cuda (low diagonals {setting}) vs Python reference")
         assert got_nobias[0, 0].item() == want and str(got_nobias[1, 0].item()) == "0.0"
