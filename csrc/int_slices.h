@@ -33,7 +33,6 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 
 #include "longacc.h"
 #include "window_acc.h"
@@ -347,18 +346,6 @@ LDET_HD u128 diagonal_sum(const int32_t* c, int64_t pstride, int nch, int D, int
   return T;
 }
 
-// T (units of 2^E) shifted to the units of 2^(E - F) with the bias and the residue terms added,
-// or false, T partly changed, when the bias or a term is not an integer number of those units
-// within range (finish_output_fast, finish_output_bounded).
-LDET_HD bool add_bias_and_terms(u128& T, int E, int F, const double* bias, const ResidueTerms& terms) {
-  T <<= F;
-  const int Eu = E - F;
-  // the bias joins T when it is an integer number of units below 2^100 of them
-  bool ok = bias == nullptr || *bias == 0.0 || add_units(T, *bias, Eu, 100);
-  if (ok) terms.each([&](double t) { ok = ok && add_units(T, t, Eu, 124); });
-  return ok;
-}
-
 // The 128-bit route of one rounded output: T, the product sums' integer in units of 2^E (the
 // diagonals' sum, or its reconstruction from remainders: crt.h), the residue terms and the bias (may be
 // null), rounded once to fmt into *out_val. F: bits the output's residues reach below 2^E. The
@@ -367,34 +354,13 @@ LDET_HD bool add_bias_and_terms(u128& T, int E, int F, const double* bias, const
 // those units within range.
 LDET_HD bool finish_output_fast(u128 T, int E, int F, const double* bias, int fmt, const ResidueTerms& terms,
                                 float* out_val) {
-  if (!add_bias_and_terms(T, E, F, bias, terms)) return false;
-  *out_val = round_signed_int128(i128(T), E - F, fmt);
-  return true;
-}
-
-LDET_HD uint32_t float_bits(float v) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(v);
-#else
-  uint32_t u;
-  memcpy(&u, &v, sizeof u);
-  return u;
-#endif
-}
-
-// finish_output_fast when the products' integer is known only within T - B <= P <= T + B (the
-// lowest diagonals left out: int_slices_host.h, "Low diagonals"). Rounding is monotone, so when
-// both ends round to the same fp32 bits (-0.0 and +0.0 count as different), so does every value
-// between them, P among them: that is P's one rounding. Returns false (the caller finds P
-// exactly) when the ends differ, or as finish_output_fast does. The host proved |T| + 2 B within
-// the 128-bit route's range.
-LDET_HD bool finish_output_bounded(u128 T, u128 B, int E, int F, const double* bias, int fmt,
-                                   const ResidueTerms& terms, float* out_val) {
-  if (!add_bias_and_terms(T, E, F, bias, terms)) return false;
-  B <<= F;
-  const float lo = round_signed_int128(i128(T - B), E - F, fmt), hi = round_signed_int128(i128(T + B), E - F, fmt);
-  if (float_bits(lo) != float_bits(hi)) return false;
-  *out_val = lo;
+  T <<= F;
+  const int Eu = E - F;
+  // the bias joins T when it is an integer number of units below 2^100 of them
+  bool ok = bias == nullptr || *bias == 0.0 || add_units(T, *bias, Eu, 100);
+  if (ok) terms.each([&](double t) { ok = ok && add_units(T, t, Eu, 124); });
+  if (!ok) return false;
+  *out_val = round_signed_int128(i128(T), Eu, fmt);
   return true;
 }
 

@@ -116,28 +116,6 @@ inline void int8_mm_aten(const Int8Gemm& g, const at::Device& device) {
   at::_int_mm_out(out, a, b.t());
 }
 
-// Low diagonals. Diagonal d of the slices' products (pairs i + j = d, weight 2^(bits d)) adds at
-// most pairs_d K 2^(2 bits - 2) to P, so the lowest ones matter to P's rounding only for outputs
-// that lie close to a rounding boundary. Leaving diagonals 0..low-1 out of the GEMMs gives T with
-// |P - T| <= B = K 2^(2 bits - 2) sum_{d < low} pairs_d 2^(bits d); the combine rounds T - B and
-// T + B and keeps the result where they agree (int_slices.h, finish_output_bounded), and finds P
-// exactly for the rest (their low diagonals from the slices, one output at a time: ~24-48 KB
-// of slices read per output, so that way has to stay rare). fp32 at S = 5 + 5, K = 4096: low = 2
-// leaves out 3 of the 25 pairs' multiply-adds, B < 2^35.01 against |P| < 2^88; an output of random
-// normal data sits near 2^74-2^77 with its rounding step 2^51-2^54, so about one in 2^16 takes the
-// exact way. low = 3 (B < 2^43.6, margin 44) measured one in ~130 (an emulation: 3 of 400) and
-// 12 ms of exact outputs against 0.75 ms of GEMMs saved (benchmarks/NOTES.md, session 14).
-struct LowDiagonals {
-  int low = 0;         // diagonals 0..low-1 left out (0: none)
-  uint64_t bound = 0;  // B, in units of the products' lowest bit
-  // the slices, for the outputs found exactly: x's (Rp, Sx Kc), w's (rows of this N-chunk, Sw Kc,
-  // slots reversed: make_slices)
-  const int8_t* xq = nullptr;
-  const int8_t* wq = nullptr;
-  int64_t ldx = 0, ldw = 0, Kc = 0;
-  int Sx = 0, Sw = 0;
-};
-
 struct SliceBackend {
   // Per row (R, 3) int32: the exponent of its largest |value|, the slices it needs (residues
   // allowed: int_slices.h, row_plan; kSliceNeedBad for a row holding inf/NaN or that no S holds,
@@ -158,12 +136,10 @@ struct SliceBackend {
   // both operands' residues (w's narrowed to the chunk's Nv rows). `wide`, or check.sums: the
   // 128-bit route's proof (WideCheck). moduli > 0: C is (moduli, Mp, Ncp), the remainder sums.
   // Written into dst when defined (combine_output's view of the whole output: an N-chunk's
-  // columns), else into a new tensor; returns it. low.low > 0 (backends with low_diagonals): C
-  // holds diagonals low.low..D-1 only (plane d - low.low), the rest bounded by low.bound.
+  // columns), else into a new tensor; returns it.
   at::Tensor (*combine)(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOperand& x, const SliceOperand& w,
                         const at::Tensor& bias, int64_t D, int64_t bits, bool wide, const WideCheck& check,
-                        bool digits, at::ScalarType out_dtype, int64_t moduli, const at::Tensor& dst,
-                        const LowDiagonals& low);
+                        bool digits, at::ScalarType out_dtype, int64_t moduli, const at::Tensor& dst);
   // One int8 GEMM (Int8Gemm) on `device`, exact in int32.
   void (*int8_mm)(const Int8Gemm& g, const at::Device& device);
   // Overwrites the outputs of the rows listed in `left` (make_slices' list: x's rows when x_rows,
@@ -191,16 +167,13 @@ struct SliceBackend {
   // plus that against Sx * Sw GEMMs; infinity: only where a path forces it).
   bool crt_route;
   double crt_output_macs;
-  // Whether the combine takes LowDiagonals with low > 0 (the GEMMs of the lowest diagonals left
-  // out, their sums bounded; see plan_low_diagonals).
-  bool low_diagonals;
 };
 
 // The plan of the last GEMM this thread ran on the slices: Sx, Sw, x's and w's residues, x's and
-// w's rows left to the kernel, the moduli of the CRT route (0: the diagonals) and the low
-// diagonals left out of the GEMMs (tests and benchmarks read it: lightning_det.ops.last_slices_plan).
-// A guessed plan (below) records -1 for the counts it did not wait for.
-std::array<int64_t, 8>& last_slices_plan();
+// w's rows left to the kernel, and the moduli of the CRT route (0: the diagonals) (tests and
+// benchmarks read it: lightning_det.ops.last_slices_plan). A guessed plan (below) records -1 for
+// the counts it did not wait for.
+std::array<int64_t, 7>& last_slices_plan();
 
 // How slice GEMMs get their plan (set_slices_guess, csrc/schema/gemm.cpp): {-1, -1} the backend's
 // default, {-2, -2} cached guesses on every device, {0, 0} from this call's summaries (one host
@@ -375,45 +348,6 @@ inline int64_t crt_moduli(const SliceBackend& be, int mode, int64_t M, int64_t N
   return crt_cost < double(Sx * Sw) * mn * double(K) ? Q : 0;
 }
 
-// Bits between P's bound and B: the exact way's rate above (each bit fewer doubles it).
-constexpr int kLowDiagonalMargin = 52;
-
-inline int diagonal_pairs(int d, int Sx, int Sw) {
-  const int i0 = std::max(0, d - (Sw - 1)), i1 = std::min(d, Sx - 1);
-  return i1 >= i0 ? i1 - i0 + 1 : 0;
-}
-
-// The most low diagonals whose bound B stays kLowDiagonalMargin bits below P's bound 2^(ceil_log2 K
-// + bits (Sx + Sw) - 4) (crt.h), where the backend takes them, the slices hold P in one K-chunk,
-// the output is rounded (digits need P itself), and the 128-bit route is proven with a bit to
-// spare (|T| + 2 B < 2 |P|'s bound). sx, sw: the operands' summaries. LIGHTNING_DET_SLICES_LOW_DIAGONALS=0
-// turns it off (benchmarks: the same call with every diagonal).
-inline LowDiagonals plan_low_diagonals(const SliceBackend& be, const SlicePlan& plan, int64_t K, int bits,
-                                       const int32_t* sx, const int32_t* sw, bool digits) {
-  LowDiagonals L;
-  const char* env = std::getenv("LIGHTNING_DET_SLICES_LOW_DIAGONALS");
-  if (!be.low_diagonals || digits || plan.nch != 1 || plan.Sx == 0 || plan.Sw == 0 || !plan.wide ||
-      (env != nullptr && std::string(env) == "0"))
-    return L;
-  const int Sx = int(plan.Sx), Sw = int(plan.Sw);
-  const int Fmax = sx[kSumDepth + Sx - 1] + sw[kSumDepth + Sw - 1];
-  const int base = ceil_log2(plan.Kc) + ceil_log2(std::min(Sx, Sw)) + bits * (Sx + Sw) - 1;  // slices_wide's
-  if (base + Fmax > 123 || Fmax + bits * std::max(Sx, Sw) + 4 > 123) return L;
-  const int top = ceil_log2(K) + bits * (Sx + Sw) - 4;
-  u128 B = 0;
-  for (int d = 0; d < Sx + Sw - 2; ++d) {  // the top diagonal always stays
-    const u128 next = B + (u128(uint64_t(diagonal_pairs(d, Sx, Sw)) * uint64_t(K)) << (2 * bits - 2 + bits * d));
-    if (next >> 63 != 0 || 127 - clz128(next) >= top - kLowDiagonalMargin) break;  // B >= 2^(top - margin)
-    B = next;
-    L.low = d + 1;
-  }
-  L.bound = uint64_t(B);
-  L.Sx = Sx;
-  L.Sw = Sw;
-  L.Kc = plan.Kc;
-  return L;
-}
-
 inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias,
                                   bool digits, at::ScalarType out_dtype, const SliceBackend& be,
                                   const LongAccGemm& long_acc) {
@@ -458,7 +392,6 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
   const at::Tensor nw = be.row_needs(w, bits, sum_w);
 
   SlicePlan plan{};
-  LowDiagonals low;  // none unless planned below (from this call's summaries)
   bool res_x = true, res_w = true;
   int64_t nbad_x = 0, nbad_w = 0;
   at::Tensor left_x, left_w;
@@ -479,7 +412,7 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
     slice_k_chunks(K, gSx, gSw, bits, &plan.Kc, &plan.nch);
     left_x = scratch.narrow(0, 2 * kSumLen, M + 1);
     left_w = scratch.narrow(0, 2 * kSumLen + M + 1, N + 1);
-    last_slices_plan() = {gSx, gSw, -1, -1, -1, -1, 0, 0};
+    last_slices_plan() = {gSx, gSw, -1, -1, -1, -1, 0};
   } else {
     // One host synchronization: both operands' summaries (int_slices.h, kSum*).
     const at::Tensor summary = sums.cpu();
@@ -494,11 +427,10 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
     if (mode == kPathAuto && !worth_it) return {};
     nbad_x = sx[kSumBad];
     nbad_w = sw[kSumBad];
-    if (crt_moduli(be, mode, M, N, K, plan.Sx, plan.Sw) == 0) low = plan_low_diagonals(be, plan, K, bits, sx, sw, digits);
     res_x = plan.Sx > 0 && sx[kSumCount + plan.Sx - 1] > 0;
     res_w = plan.Sw > 0 && sw[kSumCount + plan.Sw - 1] > 0;
     last_slices_plan() = {plan.Sx, plan.Sw, plan.Sx > 0 ? sx[kSumCount + plan.Sx - 1] : 0,
-                          plan.Sw > 0 ? sw[kSumCount + plan.Sw - 1] : 0, nbad_x, nbad_w, 0, 0};
+                          plan.Sw > 0 ? sw[kSumCount + plan.Sw - 1] : 0, nbad_x, nbad_w, 0};
   }
   const int64_t Sx = plan.Sx, Sw = plan.Sw;
   const WideCheck check{guessed ? sums.data_ptr<int32_t>() : nullptr, int(Sx), int(Sw), plan.nch, plan.Kc};
@@ -506,10 +438,8 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
   // Diagonals (Sx * Sw GEMMs' multiply-adds, K in nch chunks) or CRT (Q GEMMs of all of K).
   const int64_t Q = crt_moduli(be, mode, M, N, K, Sx, Sw);
   last_slices_plan()[6] = Q;
-  last_slices_plan()[7] = low.low;
   const int64_t Kc = Q > 0 ? round_up(K, 16) : plan.Kc, nch = Q > 0 ? 1 : plan.nch;
-  // C's planes: one per modulus, or per (K-chunk, diagonal) GEMM run (the low diagonals' not)
-  const int64_t D = (Sx > 0 && Sw > 0) ? Sx + Sw - 1 : 0, P = Q > 0 ? Q : D * nch - low.low;
+  const int64_t D = (Sx > 0 && Sw > 0) ? Sx + Sw - 1 : 0, P = Q > 0 ? Q : D * nch;
 
   // N in chunks so the int32 diagonals stay within ~256 MiB (they live at the training step's peak).
   // LIGHTNING_DET_SLICES_CHUNK_MIB changes the cap (benchmarks: wider GEMMs against memory).
@@ -543,11 +473,11 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
                    x.device());
     } else {  // one int8 GEMM per (K-chunk, diagonal)
       for (int64_t c = 0; c < nch; ++c) {
-        for (int64_t d = low.low; d < D; ++d) {  // low.low > 0: one K-chunk
+        for (int64_t d = 0; d < D; ++d) {
           const int64_t i0 = std::max<int64_t>(0, d - (Sw - 1)), i1 = std::min<int64_t>(d, Sx - 1);
           // x slices i0..i1 and w slices d-i0 .. d-i1, whose reversed slots are contiguous too
           const int64_t xcol = (c * Sx + i0) * Kc, wcol = (c * Sw + (Sw - 1 - d + i0)) * Kc;
-          const int64_t klen = (i1 - i0 + 1) * Kc, plane = c * D + d - low.low;
+          const int64_t klen = (i1 - i0 + 1) * Kc, plane = c * D + d;
           Int8Gemm g{xq + xcol, ldx, wq + n0 * ldw + wcol, ldw, Cq + plane * Mp * ncp, ncp, Mp, ncp, klen};
           at::Tensor a_copy, b_copy;  // stream-ordered: they may be freed once the GEMM is queued
           if (contig) {  // the benchmarks' variant: contiguous copies of both operands
@@ -564,14 +494,8 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
     // an N-chunk's outputs straight into their columns (a copy per chunk cost ~50 us at 4096^3)
     if (!out.defined()) out = combine_output(C, M, N, digits, out_dtype);  // every chunk lands
     const bool whole = n0 == 0 && nv == N;  // no views then (host time)
-    if (low.low > 0) {
-      low.xq = xq;
-      low.ldx = ldx;
-      low.wq = wq + n0 * ldw;
-      low.ldw = ldw;
-    }
     be.combine(C, M, nv, xo, wo.rows(n0, nv), bd.defined() && !whole ? bd.narrow(0, n0, nv) : bd, D, bits, plan.wide,
-               check, digits, out_dtype, Q, whole ? out : out.narrow(1, n0, nv), low);
+               check, digits, out_dtype, Q, whole ? out : out.narrow(1, n0, nv));
   }
 
   if (guessed) {  // rows needing more slices than guessed: listed on the device, recomputed there

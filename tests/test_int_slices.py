@@ -220,52 +220,6 @@ def test_cuda_residues_equal_cpu_and_kernel(monkeypatch):
         assert torch.equal(got, ref), f"cuda residue digits, chunks {chunk_mib} MiB"
 
 
-def low_diagonal_operands(M=300, N=200, K=512):
-    """Random fp32 rows (5 + 5 slices) plus planted rows whose outputs only the lowest diagonals
-    decide. a = 2^-10 + 2^-33: in a row topped by 1.0 at S = 5, 2^-33 is digit 16 of slice 0, so
-    out[0, 0] = a a - 2^-10 a = 2^-33 a = 2^-43 + 2^-66 holds slice 0 x slice 0 (diagonal 0, left
-    out of the GEMMs) as its last bit; the 1.0s meet zeros. Row 1 cancels exactly (out[1, :2] == +0.0)."""
-    x, w = gen.normal((M, K), torch.float32, 50), gen.normal((N, K), torch.float32, 51)
-    a = 2.0**-10 + 2.0**-33
-    x[:2], w[:2] = 0, 0
-    x[0, 0], x[0, 1], x[0, 2] = a, -(2.0**-10), 1.0
-    w[0, 0], w[0, 1], w[0, 3] = a, a, 1.0
-    x[1, 0], x[1, 1] = 3.0 + 2.0**-20, -(3.0 + 2.0**-20)
-    w[1, 0], w[1, 1] = 1.0 + 2.0**-23, 1.0 + 2.0**-23
-    return x, w
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_low_diagonals_left_out_keep_the_bytes(monkeypatch):
-    # CUDA leaves the lowest diagonals' GEMMs out where their sum's bound B is far below the
-    # outputs (int_slices_host.h, "Low diagonals"): an output whose rounding T - B and T + B do not
-    # agree on is found exactly from the slices. The planted out[0, 0] is such an output, and its
-    # last bit comes from a left-out diagonal: an exact way that skipped them, or read the wrong
-    # slices, would round 2^-43 + 2^-66 to 2^-43
-    x, w = low_diagonal_operands()
-    b = gen.normal((w.shape[0],), torch.float32, 52)
-    want = 2.0**-43 + 2.0**-66
-    assert torch.mm(x[:1], w[:1].T)[0, 0].item() != want, "control: fp32 sums lose the last bit"
-    ref = R.gemm_rounded(x[:2], w[:2], None, torch.float32)
-    assert ref[0, 0].item() == want and ref[1, 0].item() == 0.0
-    with gemm_path("slices"):
-        cpu = det_gemm(x, w, b)
-        cpu_nobias = det_gemm(x, w)
-    assert_bitwise(cpu_nobias[:2, :2], ref[:, :2], "cpu vs Python reference")
-    xc, wc, bc = x.cuda(), w.cuda(), b.cuda()
-    for setting in ("1", "0"):  # the low diagonals left out, then every diagonal (the control)
-        monkeypatch.setenv("LIGHTNING_DET_SLICES_LOW_DIAGONALS", setting)
-        with gemm_path("slices"), slices_guess("sync"):
-            got = det_gemm(xc, wc, bc).cpu()
-            plan = last_slices_plan()
-            got_nobias = det_gemm(xc, wc).cpu()
-        assert (plan["slices_x"], plan["slices_w"]) == (5, 5), plan
-        assert (plan["low_diagonals"] == 2) == (setting == "1"), plan  # B < 2^32.01 < 2^(85 - 52)
-        assert_bitwise(got, cpu, f"cuda (low diagonals {setting}) vs cpu")
-        assert_bitwise(got_nobias[:2, :2], ref[:, :2], f"cuda (low diagonals {setting}) vs Python reference")
-        assert got_nobias[0, 0].item() == want and str(got_nobias[1, 0].item()) == "0.0"
-
-
 @pytest.mark.parametrize("contiguous", ["0", "1"])
 def test_output_column_chunks_and_operand_copies(monkeypatch, contiguous):
     # a 1 MiB cap on the int32 diagonals cuts N into chunks of 8 columns; the copies variant hands

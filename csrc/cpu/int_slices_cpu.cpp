@@ -260,9 +260,7 @@ void combine_rows_for(const CombineView& v, int64_t b, int64_t e) {
 
 at::Tensor combine_cpu(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOperand& x, const SliceOperand& w,
                        const at::Tensor& bias, int64_t D, int64_t bits, bool wide, const WideCheck& check,
-                       bool digits, at::ScalarType out_dtype, int64_t moduli, const at::Tensor& dst,
-                       const LowDiagonals& low) {
-  TORCH_CHECK(low.low == 0, "combine_cpu: every diagonal is computed on the CPU (low_diagonals is off)");
+                       bool digits, at::ScalarType out_dtype, int64_t moduli, const at::Tensor& dst) {
   if (check.sums != nullptr)  // the summaries are host memory here
     wide = slices_wide(check.sums, check.sums + kSumLen, check.Sx, check.Sw, check.nch, check.Kc, int(bits));
   const int64_t P = C.size(0), Mp = C.size(1), Ncp = C.size(2);
@@ -352,9 +350,7 @@ const SliceBackend& slice_backend_cpu() {
                                // 0.71-0.78 of the diagonals for K >= 256 (taken), 0.94 at K = 64 (not
                                // taken: a near tie); bf16 at 7 moduli for 9 pairs 0.95-1.13 (taken
                                // only from K ~ 600)
-                               true, 150.0,
-                               // every diagonal: the CPU's fp32 takes the CRT route (11 GEMMs < 19 pairs)
-                               false};
+                               true, 150.0};
   return be;
 }
 

@@ -333,8 +333,7 @@ __global__ void __launch_bounds__(kThreads) combine_fast_kernel(const int32_t* _
                                                                KernelOperand w, const double* __restrict__ bias, int D,
                                                                int bits, int fmt, void* __restrict__ out, int64_t ldo,
                                                                int64_t* __restrict__ list, int32_t* __restrict__ count,
-                                                               int64_t cap, WideCheck check, CrtConsts crt,
-                                                               LowDiagonals low) {
+                                                               int64_t cap, WideCheck check, CrtConsts crt) {
   if (check.sums != nullptr &&
       !slices_wide(check.sums, check.sums + kSumLen, check.Sx, check.Sw, check.nch, check.Kc, bits)) {
     // a guessed plan the 128-bit sum is not proven for: every output to combine_rest_kernel
@@ -356,15 +355,8 @@ __global__ void __launch_bounds__(kThreads) combine_fast_kernel(const int32_t* _
       } else {
         T = crt.count > 0 ? u128(crt_value(cp, Mp * Ncp, crt)) : diagonal_sum<0>(cp, Mp * Ncp, nch, D, bits);
       }
-      const int E = -(shx + w.sh[n]), F = Fx + (w.res.F ? w.res.F[n] : 0);
-      const double* bn = bias ? bias + n : nullptr;
-      bool ok;
-      if (low.low > 0) {  // C holds diagonals low.low.. (int_slices_host.h, "Low diagonals")
-        T <<= bits * low.low;
-        ok = finish_output_bounded(T, u128(low.bound), E, F, bn, fmt, terms, &v);
-      } else {
-        ok = finish_output_fast(T, E, F, bn, fmt, terms, &v);
-      }
+      const bool ok = finish_output_fast(T, -(shx + w.sh[n]), Fx + (w.res.F ? w.res.F[n] : 0),
+                                         bias ? bias + n : nullptr, fmt, terms, &v);
       if (ok) {
         store_fmt(out, m * ldo + n, v, fmt);
       } else {
@@ -375,20 +367,6 @@ __global__ void __launch_bounds__(kThreads) combine_fast_kernel(const int32_t* _
   }
 }
 
-// Diagonal d's sum for output (m, n) from the slices, which the GEMMs left out (LowDiagonals):
-// int32 exact, as the GEMM's (pairs Kc 2^(2 bits - 2) <= kSliceIntBound: slice_k_chunks). Kc,
-// the row strides and the slices' bases are multiples of 16 bytes: four digits a load.
-__device__ int32_t low_diagonal_sum(const LowDiagonals& L, int64_t m, int64_t n, int d) {
-  const int i0 = max(0, d - (L.Sw - 1)), i1 = min(d, L.Sx - 1);
-  int32_t sum = 0;
-  for (int i = i0; i <= i1; ++i) {
-    const int* xr = reinterpret_cast<const int*>(L.xq + m * L.ldx + int64_t(i) * L.Kc);
-    const int* wr = reinterpret_cast<const int*>(L.wq + n * L.ldw + int64_t(L.Sw - 1 - (d - i)) * L.Kc);  // reversed slots
-    for (int64_t k = 0; k < L.Kc / 4; ++k) sum = __dp4a(xr[k], wr[k], sum);
-  }
-  return sum;
-}
-
 // The long-accumulator route for the outputs combine_fast_kernel left (list and count; all of
 // them when more than `cap` were left), or for every output (list == null: digits, or a sum the
 // host could not bound).
@@ -396,7 +374,7 @@ __global__ void combine_rest_kernel(const int32_t* __restrict__ C, int nch, int6
                                     int64_t Nv, KernelOperand x, KernelOperand w, const double* __restrict__ bias,
                                     int D, int bits, bool digits, int fmt, void* __restrict__ out, int64_t ldo,
                                     const int64_t* __restrict__ list, const int32_t* __restrict__ count, int64_t cap,
-                                    CrtConsts crt, LowDiagonals low) {
+                                    CrtConsts crt) {
   int64_t items = M * Nv;
   bool listed = false;
   if (list != nullptr) {
@@ -414,11 +392,7 @@ __global__ void combine_rest_kernel(const int32_t* __restrict__ C, int nch, int6
     const int64_t o = m * ldo + n;  // where the output lands (i: its index in the chunk)
     int64_t* acc_out = digits ? static_cast<int64_t*>(out) + o * LDET_WORDS : nullptr;
     float v;
-    if (low.low > 0) {  // C's diagonals and the low ones, from the slices: P exactly
-      int32_t all[kMaxDiagonals];
-      for (int d = 0; d < D; ++d) all[d] = d < low.low ? low_diagonal_sum(low, m, n, d) : cp[(d - low.low) * Mp * Ncp];
-      combine_output_digits(all, 1, 1, D, bits, -(shx + w.sh[n]), bn, fmt, terms, &v, nullptr);
-    } else if (crt.count > 0) {  // the CRT way: the reconstructed integer into the digits (wide = false)
+    if (crt.count > 0) {  // the CRT way: the reconstructed integer into the digits (wide = false)
       combine_output_value(crt_value(cp, Mp * Ncp, crt), -(shx + w.sh[n]), 0, bn, false, fmt, terms,
                            digits ? nullptr : &v, acc_out);
     } else {
@@ -434,18 +408,18 @@ template <int DC = kMaxDiagonals>
 void launch_combine_fast(int D, int nch, dim3 grid, cudaStream_t stream, const int32_t* C, int64_t Mp, int64_t Ncp,
                          int64_t M, int64_t Nv, const KernelOperand& x, const KernelOperand& w, const double* bias,
                          int bits, int fmt, void* out, int64_t ldo, int64_t* list, int32_t* count, int64_t cap,
-                         const WideCheck& check, const CrtConsts& crt, const LowDiagonals& low) {
+                         const WideCheck& check, const CrtConsts& crt) {
   if constexpr (DC > 0) {
     if (crt.count == 0 && nch == 1 && D == DC) {
       combine_fast_kernel<DC><<<grid, kThreads, 0, stream>>>(C, nch, Mp, Ncp, M, Nv, x, w, bias, D, bits, fmt, out,
-                                                             ldo, list, count, cap, check, crt, low);
+                                                             ldo, list, count, cap, check, crt);
       return;
     }
     launch_combine_fast<DC - 1>(D, nch, grid, stream, C, Mp, Ncp, M, Nv, x, w, bias, bits, fmt, out, ldo, list, count,
-                                cap, check, crt, low);
+                                cap, check, crt);
   } else {
     combine_fast_kernel<0><<<grid, kThreads, 0, stream>>>(C, nch, Mp, Ncp, M, Nv, x, w, bias, D, bits, fmt, out, ldo,
-                                                          list, count, cap, check, crt, low);
+                                                          list, count, cap, check, crt);
   }
 }
 
@@ -535,8 +509,7 @@ KernelOperand kernel_operand(const SliceOperand& o, const at::Tensor& sh_c) {
 
 at::Tensor combine_cuda(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOperand& x, const SliceOperand& w,
                         const at::Tensor& bias, int64_t D, int64_t bits, bool wide_ok, const WideCheck& check,
-                        bool digits, at::ScalarType out_dtype, int64_t moduli, const at::Tensor& dst,
-                        const LowDiagonals& low) {
+                        bool digits, at::ScalarType out_dtype, int64_t moduli, const at::Tensor& dst) {
   const CrtConsts crt = moduli > 0 ? crt_consts(int(bits), int(moduli)) : CrtConsts{};
   const int fmt = out_format(out_dtype);
   // every output: by the 128-bit kernel, or listed (or all, past the list) for combine_rest_kernel
@@ -544,9 +517,7 @@ at::Tensor combine_cuda(const at::Tensor& C, int64_t M, int64_t Nv, const SliceO
   const int64_t ldo = output_row_stride(out, digits);
   const at::Tensor shx_c = x.sh.contiguous(), shw_c = w.sh.contiguous();
   if (M * Nv > 0) {
-    const int nch = moduli > 0 || low.low > 0 ? 1 : D > 0 ? int(C.size(0) / D) : 0;
-    TORCH_CHECK(low.low == 0 || (!digits && (wide_ok || check.sums != nullptr)),
-                "combine_cuda: low diagonals need the 128-bit route to a rounded output");
+    const int nch = moduli > 0 ? 1 : D > 0 ? int(C.size(0) / D) : 0;
     const dim3 grid(unsigned(std::min<int64_t>((Nv + kThreads - 1) / kThreads, 65535)),
                     unsigned(std::min<int64_t>(M, 65535)));
     const auto stream = c10::cuda::getCurrentCUDAStream();
@@ -558,20 +529,19 @@ at::Tensor combine_cuda(const at::Tensor& C, int64_t M, int64_t Nv, const SliceO
       const int64_t cap = std::min<int64_t>(std::max<int64_t>(M * Nv / 8, 4096), int64_t(1) << 20);
       at::Tensor count = at::zeros({1}, C.options().dtype(at::kInt));
       at::Tensor list = uninit({cap}, C.options().dtype(at::kLong));  // read below the count only
-      launch_combine_fast(int(D) - low.low, nch, grid, stream, Cp, C.size(1), C.size(2), M, Nv, xo, wo, bp, int(bits),
-                          fmt, out.data_ptr(), ldo, list.data_ptr<int64_t>(), count.data_ptr<int32_t>(), cap, check,
-                          crt, low);
+      launch_combine_fast(int(D), nch, grid, stream, Cp, C.size(1), C.size(2), M, Nv, xo, wo, bp, int(bits), fmt,
+                          out.data_ptr(), ldo, list.data_ptr<int64_t>(), count.data_ptr<int32_t>(), cap, check, crt);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       // sized for the list: when nothing was left, its blocks read the count and return
       const unsigned rest_grid = unsigned(std::min<int64_t>((cap + kThreads - 1) / kThreads, 1024));
       combine_rest_kernel<<<rest_grid, kThreads, 0, stream>>>(Cp, nch, C.size(1), C.size(2), M, Nv, xo, wo, bp, int(D),
                                                               int(bits), false, fmt, out.data_ptr(), ldo,
                                                               list.data_ptr<int64_t>(), count.data_ptr<int32_t>(), cap,
-                                                              crt, low);
+                                                              crt);
     } else {
       combine_rest_kernel<<<grid_for(M * Nv), kThreads, 0, stream>>>(Cp, nch, C.size(1), C.size(2), M, Nv, xo, wo, bp,
                                                                     int(D), int(bits), digits, fmt, out.data_ptr(),
-                                                                    ldo, nullptr, nullptr, 0, crt, LowDiagonals{});
+                                                                    ldo, nullptr, nullptr, 0, crt);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
@@ -640,10 +610,7 @@ const SliceBackend& slice_backend_cuda() {
                                // (results/logs/h200-gemm-4096-normal-1bfcb16.json): fp32 0.646x torch.mm
                                // against the diagonals' 0.632x, a tie; bf16 0.97x against 1.17x (8
                                // moduli for 9 pairs); its GEMMs run at K, the diagonals' at up to 5 K
-                               true, std::numeric_limits<double>::infinity(),
-                               // the lowest diagonals' GEMMs left out where their bound allows
-                               // (int_slices_host.h, "Low diagonals")
-                               true};
+                               true, std::numeric_limits<double>::infinity()};
   return be;
 }
 

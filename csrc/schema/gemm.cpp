@@ -47,8 +47,8 @@ std::array<int64_t, 2> slices_guess_mode() {
 
 int gemm_path() { return g_gemm_path.load(std::memory_order_relaxed); }
 
-std::array<int64_t, 8>& last_slices_plan() {
-  thread_local std::array<int64_t, 8> plan{};
+std::array<int64_t, 7>& last_slices_plan() {
+  thread_local std::array<int64_t, 7> plan{};
   return plan;
 }
 

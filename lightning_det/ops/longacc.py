@@ -211,14 +211,12 @@ def last_slices_plan() -> dict:
     Returns a dict: ``slices_x``, ``slices_w`` (int8 digits per value of x and of w),
     ``residues_x``, ``residues_w`` (values kept out of the digits, whose products the combine adds
     exactly, csrc/int_slices.h), ``kernel_rows_x``, ``kernel_rows_w`` (rows left to the
-    long-accumulator kernel), ``moduli`` (int8 GEMMs of the CRT route, csrc/crt.h; 0: one
-    GEMM per diagonal of slice pairs) and ``low_diagonals`` (the lowest diagonals left out of the
-    GEMMs, their sums bounded: csrc/int_slices_host.h, CUDA only). All zeros before any such call; -1 for the four counts after a
+    long-accumulator kernel) and ``moduli`` (int8 GEMMs of the CRT route, csrc/crt.h; 0: one
+    GEMM per diagonal of slice pairs). All zeros before any such call; -1 for the four counts after a
     guessed plan (:func:`slices_guess`), which does not wait for them. For tests and benchmarks:
     the bytes of a result never depend on it.
     """
-    keys = ("slices_x", "slices_w", "residues_x", "residues_w", "kernel_rows_x", "kernel_rows_w", "moduli",
-            "low_diagonals")
+    keys = ("slices_x", "slices_w", "residues_x", "residues_w", "kernel_rows_x", "kernel_rows_w", "moduli")
     return dict(zip(keys, (int(v) for v in _ops().last_slices_plan())))
 
 
