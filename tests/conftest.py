@@ -82,23 +82,24 @@ def fresh_operands(kind: str, seeds):
 
 
 def fresh_process_gemm(route: str, env: dict, seeds=(12, 13, 14), check_plan: str = "True",
-                       operands: str = "normal") -> torch.Tensor:
-    """det_gemm_partial(x, w, b) of fresh_operands(operands, seeds) (30 x 200, 20 x 200, bias 20)
-    under gemm_path(route), computed in a fresh process with `env` added: for settings the CPU
-    backend reads once per process. check_plan: a Python expression on `plan` (last_slices_plan())
-    the child asserts."""
+                       operands: str = "normal", op: str = "det_gemm_partial(x, w, b)") -> torch.Tensor:
+    """`op` (by default det_gemm_partial(x, w, b)) of fresh_operands(operands, seeds) (30 x 200,
+    20 x 200, bias 20) under gemm_path(route), computed in a fresh process with `env` added: for
+    settings the CPU backend reads once per process. check_plan: a Python expression on `plan`
+    (last_slices_plan()) the child asserts."""
     sx, sw, sb = seeds
     make = FRESH_OPERANDS[operands]
     code = (
         "import sys, torch; sys.path.insert(0, 'tests'); import gen\n"
-        "from lightning_det.ops import det_gemm_partial, gemm_path, last_slices_plan\n"
+        "from lightning_det.ops import det_gemm, det_gemm_partial, gemm_path, last_slices_plan\n"
         f"x, w = {make.format((30, 200), sx)}, {make.format((20, 200), sw)}\n"
         f"b = gen.normal((20,), torch.float32, {sb})\n"
-        f"with gemm_path({route!r}):\n    out = det_gemm_partial(x, w, b)\n    plan = last_slices_plan()\n"
+        f"with gemm_path({route!r}):\n    out = {op}\n    plan = last_slices_plan()\n"
         f"assert {check_plan}, plan\n"
         "torch.save(out, sys.argv[1])\n"
     )
-    out = REPO / "build" / f"fresh_process_{route}_{operands}_{'_'.join(sorted(env))}.pt"
+    tag = "".join(ch if ch.isalnum() else "_" for ch in op)
+    out = REPO / "build" / f"fresh_process_{route}_{operands}_{'_'.join(sorted(env))}_{tag}.pt"
     out.parent.mkdir(exist_ok=True)
     subprocess.run([sys.executable, "-c", code, str(out)], cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", **env),
                    check=True, timeout=600)

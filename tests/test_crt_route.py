@@ -21,6 +21,7 @@ from conftest import (
 
 import gen
 from lightning_det.ops import det_gemm, det_gemm_partial, gemm_path, last_slices_plan, slices_guess
+from lightning_det.reference import longacc_ref as R
 
 INT32_MAX = 2**31 - 1
 
@@ -153,6 +154,78 @@ def test_window_integers_past_2_to_the_46_with_crt():
     w = torch.randn(48, 64, generator=g) * torch.exp2(torch.randint(-10, 10, (48, 64), generator=g).float())
     plan = assert_same_everywhere(x, w, gen.normal((48,), torch.float32, 61), "window integers past 2^46")
     assert plan["moduli"] > 0 and slice_bits() * plan["slices_x"] - 2 > 46, plan
+
+
+def _tie_operands(case: str):
+    """(x, w) fp32 whose exact products sit beside fp32 rounding ties, with the part that decides
+    each tie more than 53 bits below the top: 18 x 21 outputs, so row blocks of eight end in
+    partial ones. "subnormal": (A + 1/2) 2^-149 + t, t = +-2^-200 or 0, A = 1 .. 9 (x rows
+    [A 2^-49, 2^-50, t 2^120], w rows [2^-100, 2^-100, 2^-120]: ties between subnormals). Others
+    come from gen.fp32_pair_ties (tails 2^-56 and 2^-80 relative), both tail signs, negated and
+    halved copies, scaled by 2^x_exp (x) and 2^w_exp (w)."""
+    if case == "subnormal":
+        rows = [[A * 2.0**-49, 2.0**-50, t * 2.0**120] for A in range(1, 10) for t in (2.0**-200, -(2.0**-200), 0.0)]
+        x = torch.tensor(rows[:18], dtype=torch.float32)
+        w = torch.tensor([[2.0**-100, 2.0**-100, 2.0**-120]] * 21, dtype=torch.float32)
+        w[::2] *= torch.tensor([1.0, 1.0, -1.0])  # the tail's sign flips with the column
+        return x, w
+    x_exp, w_exp = {"normal": (0, 0), "smallest normals": (-63, -63), "overflow edge": (126, 0),
+                    "wide scales": (-20, 30)}[case]
+    xs, ws = zip(*(gen.fp32_pair_ties(0, tail) for tail in (1.0, -1.0)))
+    x, w = torch.cat(xs), torch.cat(ws)
+    x = torch.cat([x, -x, x * 0.5])  # 18 rows
+    w = torch.cat([w, -w, w * 2.0, w[:3]])  # 21 rows
+    return x * 2.0**x_exp, w * 2.0**w_exp
+
+
+@pytest.mark.parametrize("case", ["normal", "smallest normals", "subnormal", "overflow edge", "wide scales"])
+def test_crt_rounding_of_products_beside_ties(case):
+    # The CPU's vector finish (csrc/cpu/crt_vector.h) rounds P to odd at 53 bits, then to fp32:
+    # here what decides each tie lies past 53 bits below P's top, so a lost sticky bit or a double
+    # rounding moves outputs. Ties at fp32 normals, at the smallest normals' and the subnormals'
+    # ulp 2^-149, at the overflow edge 2^126 (2 - 2^-24), and with wide exponents E. Against the
+    # plain-Python exact reference; no residues, no bias: every output takes the vector rounding.
+    x, w = _tie_operands(case)
+    want = R.gemm_rounded(x, w)
+    with gemm_path("slices_crt"):
+        got = det_gemm(x, w)
+        plan = last_slices_plan()
+    assert plan["moduli"] > 0 and plan["residues_x"] == plan["residues_w"] == 0, plan
+    assert_bitwise(got, want, f"CRT route beside ties ({case})")
+    # control: fp64 sums of the exact products rounded once more to fp32 miss some of these ties
+    plain = (x.double() @ w.double().T).float()
+    assert not torch.equal(plain.view(torch.int32), want.view(torch.int32))
+
+
+def test_crt_rounding_where_the_low_64_bits_of_p_are_zero():
+    # x rows [s 2^a, 2^(a-30), 0] (5 slices: window integers s 2^37, 2^7) and w rows
+    # [2^b, 0, 2^(b-24)] (4 slices: 2^29, ...) give P = s 2^66 exactly for every output: a
+    # negative P whose low 64 bits are all zero, where the vector finish's 128-bit negation must
+    # carry into the high word. Outputs s 2^(a+b), against the exact reference.
+    x = torch.tensor([[(-1.0) ** a * 2.0**a, 2.0 ** (a - 30), 0.0] for a in range(-3, 6)])
+    w = torch.tensor([[2.0**b, 0.0, 2.0 ** (b - 24)] for b in range(-5, 6)])
+    with gemm_path("slices_crt"):
+        got = det_gemm(x, w)
+        plan = last_slices_plan()
+    assert plan["moduli"] > 0 and (plan["slices_x"], plan["slices_w"]) == (5, 4), plan
+    assert_bitwise(got, R.gemm_rounded(x, w), "P = +-2^66")
+    assert (got < 0).any() and (got > 0).any()
+
+
+def test_crt_vector_form_unproven_lanes_take_the_scalar_form():
+    # LIGHTNING_DET_CRT_VECTOR_UNPROVEN=1 (read once per process) marks every lane of the vector
+    # reconstruction unproven, as real data would only within ~2^-40 M of the moduli's bound: each
+    # output then comes from crt_value and the one-by-one finish. Rounded (with and without bias)
+    # and digits, against this process's kernel.
+    seeds = (63, 64, 65)
+    x, w, b = fresh_operands("normal", seeds)
+    with gemm_path("kernel"):
+        want = (det_gemm(x, w), det_gemm(x, w, b), det_gemm_partial(x, w, b))
+    got = fresh_process_gemm("slices_crt", {"LIGHTNING_DET_CRT_VECTOR_UNPROVEN": "1"}, seeds, "plan['moduli'] > 0",
+                             op="(det_gemm(x, w), det_gemm(x, w, b), det_gemm_partial(x, w, b))")
+    for what, g, ref in zip(("rounded", "rounded with bias"), got, want):
+        assert_bitwise(g, ref, f"unproven lanes, {what}")
+    assert torch.equal(got[2], want[2]), "unproven lanes: digits differ"
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

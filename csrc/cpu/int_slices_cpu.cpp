@@ -10,6 +10,7 @@
 #include <mutex>
 #include <string>
 
+#include "cpu/crt_vector.h"
 #include "int_slices_host.h"
 #include "op_checks.h"
 
@@ -187,14 +188,84 @@ struct CombineView {
   int64_t ldo;  // out's row stride, in outputs
 };
 
+// One output of the CRT route from its product sums' integer P: finished as the diagonals' are.
+// plain_row: wide, no bias and no residues in x's row m.
+void finish_crt_output(const CombineView& v, int64_t m, int64_t n, i128 P, bool plain_row) {
+  const int64_t i = m * v.ldo + n;
+  if (plain_row && !v.digits && (v.rw.count == nullptr || v.rw.count[n] == 0)) {
+    // no residue terms, no bias: finish_output_fast's rounding alone (wide: P is proven)
+    store_fmt(v.out, i, round_signed_int128(P, -(v.sx[m] + v.sw[n]), v.fmt), v.fmt);
+    return;
+  }
+  const ResidueTerms terms{v.rx, v.ex, v.sx[m], m, v.rw, v.ew, n};
+  const int F = (v.rx.F ? v.rx.F[m] : 0) + (v.rw.F ? v.rw.F[n] : 0);
+  float val;
+  combine_output_value(P, -(v.sx[m] + v.sw[n]), F, v.bias ? v.bias + n : nullptr, v.wide, v.fmt, terms,
+                       v.digits ? nullptr : &val, v.digits ? static_cast<int64_t*>(v.out) + i * LDET_WORDS : nullptr);
+  if (!v.digits) store_fmt(v.out, i, val, v.fmt);
+}
+
+bool plain_crt_row(const CombineView& v, int64_t m) {
+  return v.wide && v.bias == nullptr && (v.rx.count == nullptr || v.rx.count[m] == 0);
+}
+
+#if defined(LDET_CRT_AVX512)
+// LIGHTNING_DET_CRT_VECTOR_UNPROVEN=1: every lane of the vector form counts as unproven, so each
+// output takes the exact scalar form (crt_value) and the one-by-one finish: tests run that branch,
+// which real data reaches only within ~2^-40 M of the moduli's bound (crt_vector.h, step 2).
+bool crt_vector_unproven() {
+  static const bool on = [] {
+    const char* env = std::getenv("LIGHTNING_DET_CRT_VECTOR_UNPROVEN");
+    return env != nullptr && std::string(env) == "1";
+  }();
+  return on;
+}
+
+// combine_rows_crt eight outputs at a time (csrc/cpu/crt_vector.h): P in vector registers, and
+// fp32 outputs without residue terms or bias rounded there too; the other outputs (and any lane
+// whose P the vector form could not prove) finished one by one as before.
+void combine_rows_crt_vec(const CombineView& v, int64_t b, int64_t e) {
+  const MxcsrDefault csr;
+  const CrtVecConsts k = crt_vec_consts(v.crt);
+  const bool fp32_out = v.fmt == kFmtF32 && !v.digits;
+  const bool unproven = crt_vector_unproven();
+  int64_t hi[8];
+  uint64_t lo[8];
+  for (int64_t m = b; m < e; ++m) {
+    const bool plain_row = plain_crt_row(v, m);
+    for (int64_t n0 = 0; n0 < v.Nv; n0 += 8) {
+      const int nb = int(std::min<int64_t>(8, v.Nv - n0));
+      const __mmask8 live = __mmask8((1u << nb) - 1);
+      __mmask8 round = plain_row && fp32_out ? live : 0;
+      if (round && v.rw.count != nullptr)  // outputs with w's residue terms: one by one
+        round &= _mm256_cmpeq_epi32_mask(_mm256_maskz_loadu_epi32(live, v.rw.count + n0), _mm256_setzero_si256());
+      const int32_t* c = v.c + m * v.Ncp + n0;
+      float* o = fp32_out ? static_cast<float*>(v.out) + m * v.ldo + n0 : nullptr;
+      __mmask8 proven;
+      const __mmask8 done = unproven ? (proven = 0)
+                                     : crt_reconstruct8(c, v.pstride, k, live, v.sx[m], v.sw + n0, round, o, hi, lo, &proven);
+      for (unsigned rest = unsigned(live & ~done); rest != 0; rest &= rest - 1) {
+        const int j = __builtin_ctz(rest);
+        const i128 P = (proven >> j) & 1 ? i128(u128(uint64_t(hi[j])) << 64 | u128(lo[j]))
+                                         : crt_value(c + j, v.pstride, v.crt);
+        finish_crt_output(v, m, n0 + j, P, plain_row);
+      }
+    }
+  }
+}
+#endif
+
 // The CRT route's outputs of rows [b, e): the same integer the diagonals build, reconstructed a
-// block of outputs at a time (crt.h, crt_values_fp64), then finished as theirs.
+// block of outputs at a time (crt.h, crt_values_fp64; with AVX-512 crt_vector.h), then finished
+// as theirs.
 void combine_rows_crt(const CombineView& v, int64_t b, int64_t e) {
+#if defined(LDET_CRT_AVX512)
+  if (!crt_scalar_forms()) return combine_rows_crt_vec(v, b, e);
+#endif
   const CrtLimbs limbs = crt_limbs(v.crt);
   i128 P[kCrtBlock];
   for (int64_t m = b; m < e; ++m) {
-    const int Fx = v.rx.F ? v.rx.F[m] : 0;
-    const bool plain_row = v.wide && v.bias == nullptr && (v.rx.count == nullptr || v.rx.count[m] == 0);
+    const bool plain_row = plain_crt_row(v, m);
     for (int64_t n0 = 0; n0 < v.Nv; n0 += kCrtBlock) {
       const int64_t nb = std::min(kCrtBlock, v.Nv - n0);
       if (crt_scalar_forms()) {
@@ -202,20 +273,7 @@ void combine_rows_crt(const CombineView& v, int64_t b, int64_t e) {
       } else {
         crt_values_fp64(v.c + m * v.Ncp + n0, v.pstride, nb, v.crt, limbs, P);
       }
-      for (int64_t j = 0; j < nb; ++j) {
-        const int64_t n = n0 + j, i = m * v.ldo + n;
-        if (plain_row && !v.digits && (v.rw.count == nullptr || v.rw.count[n] == 0)) {
-          // no residue terms, no bias: finish_output_fast's rounding alone (wide: P is proven)
-          store_fmt(v.out, i, round_signed_int128(P[j], -(v.sx[m] + v.sw[n]), v.fmt), v.fmt);
-          continue;
-        }
-        const ResidueTerms terms{v.rx, v.ex, v.sx[m], m, v.rw, v.ew, n};
-        float val;
-        combine_output_value(P[j], -(v.sx[m] + v.sw[n]), Fx + (v.rw.F ? v.rw.F[n] : 0), v.bias ? v.bias + n : nullptr,
-                             v.wide, v.fmt, terms, v.digits ? nullptr : &val,
-                             v.digits ? static_cast<int64_t*>(v.out) + i * LDET_WORDS : nullptr);
-        if (!v.digits) store_fmt(v.out, i, val, v.fmt);
-      }
+      for (int64_t j = 0; j < nb; ++j) finish_crt_output(v, m, n0 + j, P[j], plain_row);
     }
   }
 }

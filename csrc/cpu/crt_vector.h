@@ -1,0 +1,153 @@
+// The CPU's CRT reconstruction and rounding, eight outputs at a time in AVX-512 (csrc/crt.h has
+// the scheme; csrc/cpu/int_slices_cpu.cpp calls this from its combine).
+//
+// Why: crt_values_fp64 plus the per-output 128-bit rounding (round_signed_int128) took ~40% of a
+// fp32 512^3 det_gemm on the 2-core CPU (perf, session 15; NOTES), more than its 11 int8 GEMMs:
+// the sums went through memory once per modulus, and every output then ran ~100 scalar 128-bit
+// instructions. Here each lane keeps its sums in registers across the moduli, and the rounding
+// is vector integer work plus one IEEE conversion. Same integers, same bytes:
+//
+//  1. y_t = c_t (M/m_t)^-1 mod m_t, symmetric: p = c_t inv_t is an exact fp64 integer (|c_t| <
+//     2^31, inv_t < 2^8, so |p| < 2^39); q = round(fl(p fl(1/m_t))) is within one of p / m_t
+//     (error < 2^-20), and y = p - q m_t (exact) is congruent to p with |y| <= m_t / 2: q can miss
+//     round(p / m_t) only within 2^-20 of a half-integer, where both neighbours give |y| <= m_t / 2.
+//  2. S = sum_t y_t M/m_t in three 40-bit limbs (each limb sum below 15 2^7 2^40 < 2^51: exact),
+//     and f = sum_t y_t / m_t, S / M's estimate (error below 2^-45). |P| < M/2
+//     (crt_moduli_needed), so S / M = k + P / M with |P / M| < 1/2: where |f - round(f)| <=
+//     1/2 - 2^-40, k = round(f) exactly and P = S - k M. Other lanes (none in practice: P then lies
+//     within ~2^-40 M of M/2) are marked and left to crt_value, the exact scalar form.
+//  3. P's limbs (minus k M's limbs, exact) carried into a two's complement 128-bit integer in two
+//     64-bit lanes, then its magnitude truncated to 53 bits with a sticky bit in bit 0: that is
+//     P rounded to odd at 53 bits, and rounding-to-odd at p >= q + 2 bits then to nearest at q
+//     bits is the single rounding to q bits (Boldo & Melquiond), for fp32 normals and subnormals
+//     alike. So fp32(fp64(that) * 2^(E + shift)) (exact scaling: checked normal in fp64) is
+//     round_signed_int128(P, E, fp32): ties to even, overflow to inf, -0.0 for a negative value
+//     that rounds to zero, +0.0 for P = 0.
+// The conversion and step 1's rounding need round-to-nearest without flush-to-zero: the caller
+// holds a MxcsrDefault for the duration (torch.set_flush_denormal(True) sets FTZ/DAZ).
+// tests/test_crt_route.py compares these bytes with the scalar forms (LIGHTNING_DET_CRT_SCALAR=1)
+// and with the diagonals on rounding edges: ties, subnormal and overflowing outputs, |P| around
+// 2^53, 2^64 and at the moduli's bound.
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512CD__) && defined(__AVX512VL__)
+#define LDET_CRT_AVX512 1
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "crt.h"
+
+namespace ldet {
+
+// Round-to-nearest, no flush-to-zero, exceptions masked (the x86 default) while it lives; the
+// caller's MXCSR restored after.
+struct MxcsrDefault {
+  unsigned saved;
+  MxcsrDefault() : saved(_mm_getcsr()) { _mm_setcsr(0x1F80u); }
+  ~MxcsrDefault() { _mm_setcsr(saved); }
+  MxcsrDefault(const MxcsrDefault&) = delete;
+  MxcsrDefault& operator=(const MxcsrDefault&) = delete;
+};
+
+// One call's constants as fp64 (all exact): per modulus m_t, fl(1/m_t), (M/m_t)^-1 mod m_t and
+// M/m_t in 40-bit limbs; M in 40-bit limbs (M < 2^(8 kCrtMax) = 2^120: three).
+struct CrtVecConsts {
+  int count;
+  double m[kCrtMax], r[kCrtMax], inv[kCrtMax], cof[kCrtMax][3];
+  double M[3];
+};
+
+inline CrtVecConsts crt_vec_consts(const CrtConsts& t) {
+  CrtVecConsts v{};
+  v.count = t.count;
+  const u128 mask = (u128(1) << 40) - 1;
+  for (int i = 0; i < t.count; ++i) {
+    v.m[i] = double(t.m[i]);
+    v.r[i] = t.rinv[i];
+    v.inv[i] = double(t.cinv[i]);
+    for (int j = 0; j < 3; ++j) v.cof[i][j] = double(uint64_t((t.cof[i] >> (40 * j)) & mask));
+  }
+  for (int j = 0; j < 3; ++j) v.M[j] = double(uint64_t((t.M >> (40 * j)) & mask));
+  return v;
+}
+
+// x rounded to the nearest integer (ties to even) for |x| < 2^51 (floor_off_integers' trick).
+inline __m512d crt_round_pd(__m512d x) {
+  const __m512d k = _mm512_set1_pd(6755399441055744.0);  // 1.5 * 2^52
+  return _mm512_sub_pd(_mm512_add_pd(x, k), k);
+}
+
+// Lanes j < 8 of live (a bit mask) of outputs c + j (plane t at c + t * pstride): P as two's
+// complement hi 2^64 + lo into hi[j], lo[j] where it was proven (step 2; *proven_out: those
+// lanes). Of the lanes in `round`, those proven whose scale 2^E, E = -(shx + shw[j]), keeps the
+// step-3 scaling exact get fp32(P 2^E) in out[j]; returns them.
+inline __mmask8 crt_reconstruct8(const int32_t* c, int64_t pstride, const CrtVecConsts& k, __mmask8 live, int32_t shx,
+                                 const int32_t* shw, __mmask8 round, float* out, int64_t* hi, uint64_t* lo,
+                                 __mmask8* proven_out) {
+  __m512d f = _mm512_setzero_pd(), s0 = f, s1 = f, s2 = f;
+  for (int t = 0; t < k.count; ++t) {
+    const __m256i ci = _mm256_maskz_loadu_epi32(live, c + t * pstride);
+    const __m512d m = _mm512_set1_pd(k.m[t]), r = _mm512_set1_pd(k.r[t]);
+    const __m512d p = _mm512_mul_pd(_mm512_cvtepi32_pd(ci), _mm512_set1_pd(k.inv[t]));
+    const __m512d y = _mm512_fnmadd_pd(crt_round_pd(_mm512_mul_pd(p, r)), m, p);  // exact
+    f = _mm512_fmadd_pd(y, r, f);
+    s0 = _mm512_fmadd_pd(y, _mm512_set1_pd(k.cof[t][0]), s0);  // exact integers below 2^51
+    s1 = _mm512_fmadd_pd(y, _mm512_set1_pd(k.cof[t][1]), s1);
+    s2 = _mm512_fmadd_pd(y, _mm512_set1_pd(k.cof[t][2]), s2);
+  }
+  const __m512d q = crt_round_pd(f);
+  const __m512d gap = _mm512_abs_pd(_mm512_sub_pd(f, q));
+  const __mmask8 proven = _mm512_mask_cmp_pd_mask(live, gap, _mm512_set1_pd(0.5 - 0x1p-40), _CMP_LE_OQ);
+  // P's limbs, then carried: P = t0 + t1 2^40 + d2 2^80 with t0, t1 in [0, 2^40)
+  const __m512i d0 = _mm512_cvtpd_epi64(_mm512_fnmadd_pd(q, _mm512_set1_pd(k.M[0]), s0));
+  __m512i d1 = _mm512_cvtpd_epi64(_mm512_fnmadd_pd(q, _mm512_set1_pd(k.M[1]), s1));
+  __m512i d2 = _mm512_cvtpd_epi64(_mm512_fnmadd_pd(q, _mm512_set1_pd(k.M[2]), s2));
+  const __m512i mask40 = _mm512_set1_epi64((int64_t(1) << 40) - 1);
+  const __m512i t0 = _mm512_and_si512(d0, mask40);
+  d1 = _mm512_add_epi64(d1, _mm512_srai_epi64(d0, 40));
+  const __m512i t1 = _mm512_and_si512(d1, mask40);
+  d2 = _mm512_add_epi64(d2, _mm512_srai_epi64(d1, 40));
+  const __m512i vlo = _mm512_or_si512(t0, _mm512_slli_epi64(t1, 40));
+  const __m512i vhi = _mm512_add_epi64(_mm512_srli_epi64(t1, 24), _mm512_slli_epi64(d2, 16));
+  _mm512_mask_storeu_epi64(hi, proven, vhi);
+  _mm512_mask_storeu_epi64(lo, proven, vlo);
+
+  *proven_out = proven;
+  // E in [-1000, 800]: with s <= 75 below, 2^(s + E) and q 2^(s + E) < 2^(53 + 875) stay normal
+  const __m256i E = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                     _mm256_add_epi32(_mm256_set1_epi32(shx), _mm256_maskz_loadu_epi32(round, shw)));
+  const __mmask8 e_ok = _mm256_cmpge_epi32_mask(E, _mm256_set1_epi32(-1000)) &
+                        _mm256_cmple_epi32_mask(E, _mm256_set1_epi32(800));
+  const __mmask8 go = round & proven & e_ok;
+  if (go == 0) return 0;
+  // |P| as (ah, al): negate the 128-bit value where it is negative
+  const __m512i zero = _mm512_setzero_si512();
+  const __mmask8 neg = _mm512_cmplt_epi64_mask(vhi, zero);
+  const __mmask8 lo_zero = _mm512_cmpeq_epi64_mask(vlo, zero);
+  const __m512i al = _mm512_mask_sub_epi64(vlo, neg, zero, vlo);
+  __m512i ah = _mm512_mask_xor_epi64(vhi, neg, vhi, _mm512_set1_epi64(-1));
+  ah = _mm512_mask_add_epi64(ah, neg & lo_zero, ah, _mm512_set1_epi64(1));
+  // bit length L, drop s = max(0, L - 53) bits, sticky into bit 0: |P| rounded to odd at 53 bits
+  const __mmask8 hi_set = _mm512_cmpneq_epi64_mask(ah, zero);
+  const __m512i lz = _mm512_mask_add_epi64(_mm512_add_epi64(_mm512_lzcnt_epi64(al), _mm512_set1_epi64(64)), hi_set,
+                                           _mm512_lzcnt_epi64(ah), zero);
+  const __m512i s = _mm512_max_epi64(_mm512_sub_epi64(_mm512_set1_epi64(128 - 53), lz), zero);
+  const __m512i s64 = _mm512_sub_epi64(s, _mm512_set1_epi64(64));  // negative: a count >= 2^63, i.e. 0
+  __m512i qv = _mm512_or_si512(_mm512_srlv_epi64(al, s), _mm512_sllv_epi64(ah, _mm512_sub_epi64(_mm512_set1_epi64(64), s)));
+  qv = _mm512_or_si512(qv, _mm512_srlv_epi64(ah, s64));
+  const __m512i ones = _mm512_set1_epi64(-1);
+  const __m512i below_lo = _mm512_andnot_si512(_mm512_sllv_epi64(ones, s), al);
+  const __m512i below_hi = _mm512_andnot_si512(_mm512_sllv_epi64(ones, _mm512_max_epi64(s64, zero)), ah);
+  const __mmask8 sticky = _mm512_test_epi64_mask(_mm512_or_si512(below_lo, below_hi), ones);
+  qv = _mm512_mask_or_epi64(qv, sticky, qv, _mm512_set1_epi64(1));
+  // value = +-q 2^(s + E): exact while 2^(s + E) is a normal double (the caller checked E)
+  const __m512i e = _mm512_add_epi64(s, _mm512_cvtepi32_epi64(E));
+  __m512d v = _mm512_scalef_pd(_mm512_cvtepu64_pd(qv), _mm512_cvtepi64_pd(e));
+  v = _mm512_mask_sub_pd(v, neg, _mm512_setzero_pd(), v);  // P != 0 where negative: no -0.0 from here
+  _mm256_mask_storeu_ps(out, go, _mm512_cvtpd_ps(v));
+  return go;
+}
+
+}  // namespace ldet
+#endif
