@@ -44,6 +44,35 @@ def test_residues_keep_the_slices_few_and_the_bytes_exact():
     assert_same_everywhere(x, w, gen.normal((24,), torch.float32, 32), "planted residues")
 
 
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_residue_depth_cap_decides_the_slice_count(dt):
+    # Rows topped by 1.0 hold 3 slices down to 2^(3 - 3 bits); one value whose only bit lies
+    # kResidueDepthCap = 40 bits below that is a residue the 3-slice row may keep; one bit lower it
+    # may not, and the row takes 4 (the value still a residue there) (int_slices.h, row_plan). The row statistics' top exponent and lowest
+    # set bit decide it (csrc/cpu/slices_vector.h and the scalar loops alike).
+    bits = 8 if seven_bit_digits_not_forced() else 7
+    bottom = 3 - 3 * bits
+    for depth, slices in ((40, 3), (41, 4)):
+        x = (torch.arange(8 * 64, dtype=torch.float32).reshape(8, 64) % 7 + 1) / 8  # 3 bits below 1.0
+        x[:, 0] = 1.0
+        x[2, 5] = 2.0 ** (bottom - depth)
+        x = x.to(dt)
+        w = torch.ones(6, 64, dtype=dt)
+        with gemm_path("slices"):
+            got = det_gemm(x, w)
+            plan = last_slices_plan()
+        assert plan["slices_x"] == slices and plan["residues_x"] == 1, (depth, plan)  # a residue at 4 too
+        assert_bitwise(got, R.gemm_rounded(x, w, None, torch.float32), f"residue at depth {depth}")
+
+
+def seven_bit_digits_not_forced() -> bool:
+    """This process's CPU backend uses 8-bit digits (VNNI, and LIGHTNING_DET_SLICE_BITS unset)."""
+    x = torch.full((4, 64), 1 + 2.0**-13)  # 14 bits: 2 slices of 8 bits, 3 of 7
+    with gemm_path("slices"):
+        det_gemm(x, x)
+        return last_slices_plan()["slices_x"] == 2
+
+
 @pytest.mark.parametrize("dt", DTYPES)
 def test_residue_route_on_random_rows(dt):
     # randn rows of 700 values: a few values per row below the window the others need

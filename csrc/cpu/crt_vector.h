@@ -30,10 +30,9 @@
 // 2^53, 2^64 and at the moduli's bound.
 #pragma once
 
-#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512CD__) && defined(__AVX512VL__)
-#define LDET_CRT_AVX512 1
-#include <immintrin.h>
+#include "cpu/avx512.h"
 
+#if defined(LDET_CPU_AVX512)
 #include <cstdint>
 
 #include "crt.h"

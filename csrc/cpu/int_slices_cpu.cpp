@@ -11,6 +11,7 @@
 #include <string>
 
 #include "cpu/crt_vector.h"
+#include "cpu/slices_vector.h"
 #include "int_slices_host.h"
 #include "op_checks.h"
 
@@ -34,6 +35,43 @@ void add_row_to_summary(int need, const int* depth, const int* count, int32_t* s
   }
 }
 
+// One row's statistics in scalar loops (any element type): hi, lo (exp_stat's over its nonzero
+// elements) and its histogram of element needs; returns false at the first inf/NaN.
+template <typename T>
+bool row_stats_scalar(const T* row, int64_t K, int bits, int* hi_out, int* lo_out, int* hist) {
+  int hi = -32768, lo = 32767;
+  for (int64_t k = 0; k < K; ++k) {
+    const double v = static_cast<double>(row[k]);
+    if (!is_finite(v)) return false;
+    const ExpStat s = exp_stat(v);
+    hi = std::max(hi, s.hi);
+    lo = std::min(lo, s.lo);
+  }
+  for (int64_t k = 0; k < K && hi >= lo; ++k) {
+    const double v = static_cast<double>(row[k]);
+    if (v != 0.0) ++hist[need_bin(hi, exp_stat(v).lo, bits)];
+  }
+  *hi_out = hi;
+  *lo_out = lo;
+  return true;
+}
+
+// One row's statistics: the vector form where it exists (csrc/cpu/slices_vector.h: counts of the
+// elements needing more than s slices, turned into row_plan's histogram bins 2 .. kSliceMax + 1,
+// the only ones it reads), else the scalar loops.
+template <typename T>
+bool row_stats(const T* row, int64_t K, int bits, int* hi, int* lo, int* hist) {
+#if defined(LDET_CPU_AVX512)
+  if constexpr (kVectorRowStats<T>) {
+    int over[kSliceMax];
+    if (!row_stats_vec(row, K, bits, hi, lo, over)) return false;
+    for (int b = 2; b < kNeedBins; ++b) hist[b] = over[b - 2] - (b - 1 < kSliceMax ? over[b - 1] : 0);
+    return true;
+  }
+#endif
+  return row_stats_scalar(row, K, bits, hi, lo, hist);
+}
+
 at::Tensor row_needs_cpu(const at::Tensor& a, int64_t bits, at::Tensor& summary) {
   const int64_t R = a.size(0), K = a.size(1);
   at::Tensor out = uninit({R, 3}, a.options().dtype(at::kInt));  // every row written
@@ -45,27 +83,11 @@ at::Tensor row_needs_cpu(const at::Tensor& a, int64_t bits, at::Tensor& summary)
     at::parallel_for(0, R, 16, [&](int64_t b, int64_t e) {
       int32_t local[kSumLen] = {};
       for (int64_t r = b; r < e; ++r) {
-        int hi = -32768, lo = 32767;
-        bool bad = false;
-        for (int64_t k = 0; k < K; ++k) {
-          const double v = static_cast<double>(p[r * K + k]);
-          if (!is_finite(v)) {
-            bad = true;
-            break;
-          }
-          const ExpStat s = exp_stat(v);
-          hi = std::max(hi, s.hi);
-          lo = std::min(lo, s.lo);
-        }
-        int need = kSliceNeedBad, depth[kSliceMax], count[kSliceMax];
-        if (!bad) {
-          int hist[kNeedBins] = {};
-          for (int64_t k = 0; k < K && hi >= lo; ++k) {
-            const double v = static_cast<double>(p[r * K + k]);
-            if (v != 0.0) ++hist[need_bin(hi, exp_stat(v).lo, int(bits))];
-          }
-          need = row_plan(hist, hi, lo, int(bits), depth, count);
-        }
+        // a row holding inf/NaN: its hi and lo are never read (make_slices skips it)
+        int hi = -32768, lo = 32767, hist[kNeedBins] = {}, depth[kSliceMax], count[kSliceMax];
+        const int need = row_stats(p + r * K, K, int(bits), &hi, &lo, hist)
+                             ? row_plan(hist, hi, lo, int(bits), depth, count)
+                             : kSliceNeedBad;
         o[3 * r] = hi;
         o[3 * r + 1] = need;
         o[3 * r + 2] = lo;
@@ -209,7 +231,7 @@ bool plain_crt_row(const CombineView& v, int64_t m) {
   return v.wide && v.bias == nullptr && (v.rx.count == nullptr || v.rx.count[m] == 0);
 }
 
-#if defined(LDET_CRT_AVX512)
+#if defined(LDET_CPU_AVX512)
 // LIGHTNING_DET_CRT_VECTOR_UNPROVEN=1: every lane of the vector form counts as unproven, so each
 // output takes the exact scalar form (crt_value) and the one-by-one finish: tests run that branch,
 // which real data reaches only within ~2^-40 M of the moduli's bound (crt_vector.h, step 2).
@@ -259,7 +281,7 @@ void combine_rows_crt_vec(const CombineView& v, int64_t b, int64_t e) {
 // block of outputs at a time (crt.h, crt_values_fp64; with AVX-512 crt_vector.h), then finished
 // as theirs.
 void combine_rows_crt(const CombineView& v, int64_t b, int64_t e) {
-#if defined(LDET_CRT_AVX512)
+#if defined(LDET_CPU_AVX512)
   if (!crt_scalar_forms()) return combine_rows_crt_vec(v, b, e);
 #endif
   const CrtLimbs limbs = crt_limbs(v.crt);
