@@ -39,16 +39,6 @@
 
 namespace ldet {
 
-// Round-to-nearest, no flush-to-zero, exceptions masked (the x86 default) while it lives; the
-// caller's MXCSR restored after.
-struct MxcsrDefault {
-  unsigned saved;
-  MxcsrDefault() : saved(_mm_getcsr()) { _mm_setcsr(0x1F80u); }
-  ~MxcsrDefault() { _mm_setcsr(saved); }
-  MxcsrDefault(const MxcsrDefault&) = delete;
-  MxcsrDefault& operator=(const MxcsrDefault&) = delete;
-};
-
 // One call's constants as fp64 (all exact): per modulus m_t, fl(1/m_t), (M/m_t)^-1 mod m_t and
 // M/m_t in 40-bit limbs; M in 40-bit limbs (M < 2^(8 kCrtMax) = 2^120: three).
 struct CrtVecConsts {
@@ -71,30 +61,35 @@ inline CrtVecConsts crt_vec_consts(const CrtConsts& t) {
   return v;
 }
 
-// x rounded to the nearest integer (ties to even) for |x| < 2^51 (floor_off_integers' trick).
-inline __m512d crt_round_pd(__m512d x) {
-  const __m512d k = _mm512_set1_pd(6755399441055744.0);  // 1.5 * 2^52
-  return _mm512_sub_pd(_mm512_add_pd(x, k), k);
+// Steps 1 and 2's sums for U groups of eight outputs, c + 8 u + j (plane t at c + t * pstride),
+// lanes live[u]: f[u] (S / M's estimate) and s[u][0 .. NL) (S's 40-bit limbs; NL = 2 when every
+// M / m_t is below 2^80, i.e. Q <= 11, else 3, the rest zero). U = 2 loads each modulus's
+// constants once for sixteen outputs: loads, not arithmetic, bound the one-group loop (perf).
+template <int U, int NL>
+inline void crt_sums(const int32_t* c, int64_t pstride, const CrtVecConsts& k, const __mmask8* live, __m512d* f,
+                     __m512d (*s)[3]) {
+  for (int u = 0; u < U; ++u) f[u] = s[u][0] = s[u][1] = s[u][2] = _mm512_setzero_pd();
+  for (int t = 0; t < k.count; ++t) {
+    const __m512d m = _mm512_set1_pd(k.m[t]), r = _mm512_set1_pd(k.r[t]), inv = _mm512_set1_pd(k.inv[t]);
+    __m512d cof[NL];
+    for (int j = 0; j < NL; ++j) cof[j] = _mm512_set1_pd(k.cof[t][j]);
+    for (int u = 0; u < U; ++u) {
+      const __m256i ci = _mm256_maskz_loadu_epi32(live[u], c + t * pstride + 8 * u);
+      const __m512d p = _mm512_mul_pd(_mm512_cvtepi32_pd(ci), inv);
+      const __m512d y = _mm512_fnmadd_pd(crt_round_pd(_mm512_mul_pd(p, r)), m, p);  // exact
+      f[u] = _mm512_fmadd_pd(y, r, f[u]);
+      for (int j = 0; j < NL; ++j) s[u][j] = _mm512_fmadd_pd(y, cof[j], s[u][j]);  // exact integers below 2^51
+    }
+  }
 }
 
-// Lanes j < 8 of live (a bit mask) of outputs c + j (plane t at c + t * pstride): P as two's
-// complement hi 2^64 + lo into hi[j], lo[j] where it was proven (step 2; *proven_out: those
-// lanes). Of the lanes in `round`, those proven whose scale 2^E, E = -(shx + shw[j]), keeps the
-// step-3 scaling exact get fp32(P 2^E) in out[j]; returns them.
-inline __mmask8 crt_reconstruct8(const int32_t* c, int64_t pstride, const CrtVecConsts& k, __mmask8 live, int32_t shx,
-                                 const int32_t* shw, __mmask8 round, float* out, int64_t* hi, uint64_t* lo,
-                                 __mmask8* proven_out) {
-  __m512d f = _mm512_setzero_pd(), s0 = f, s1 = f, s2 = f;
-  for (int t = 0; t < k.count; ++t) {
-    const __m256i ci = _mm256_maskz_loadu_epi32(live, c + t * pstride);
-    const __m512d m = _mm512_set1_pd(k.m[t]), r = _mm512_set1_pd(k.r[t]);
-    const __m512d p = _mm512_mul_pd(_mm512_cvtepi32_pd(ci), _mm512_set1_pd(k.inv[t]));
-    const __m512d y = _mm512_fnmadd_pd(crt_round_pd(_mm512_mul_pd(p, r)), m, p);  // exact
-    f = _mm512_fmadd_pd(y, r, f);
-    s0 = _mm512_fmadd_pd(y, _mm512_set1_pd(k.cof[t][0]), s0);  // exact integers below 2^51
-    s1 = _mm512_fmadd_pd(y, _mm512_set1_pd(k.cof[t][1]), s1);
-    s2 = _mm512_fmadd_pd(y, _mm512_set1_pd(k.cof[t][2]), s2);
-  }
+// Step 2's check and step 3 for eight lanes (live) with sums f, s0, s1, s2 (crt_sums): P as two's
+// complement hi 2^64 + lo into hi[j], lo[j] where it was proven (*proven_out: those lanes). Of the
+// lanes in `round`, those proven whose scale 2^E, E = -(shx + shw[j]), keeps the scaling exact get
+// fp32(P 2^E) in out[j]; returns them.
+inline __mmask8 crt_finish8(__m512d f, __m512d s0, __m512d s1, __m512d s2, const CrtVecConsts& k, __mmask8 live,
+                            int32_t shx, const int32_t* shw, __mmask8 round, float* out, int64_t* hi, uint64_t* lo,
+                            __mmask8* proven_out) {
   const __m512d q = crt_round_pd(f);
   const __m512d gap = _mm512_abs_pd(_mm512_sub_pd(f, q));
   const __mmask8 proven = _mm512_mask_cmp_pd_mask(live, gap, _mm512_set1_pd(0.5 - 0x1p-40), _CMP_LE_OQ);

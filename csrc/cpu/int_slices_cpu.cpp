@@ -135,6 +135,9 @@ SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "make_slices_cpu", [&] {
     const scalar_t* p = a.data_ptr<scalar_t>();
     at::parallel_for(0, R, 16, [&](int64_t b, int64_t e) {
+#if defined(LDET_CPU_AVX512)
+      const MxcsrDefault csr;  // the fp64 remainders round to nearest (crt_round_pd, floor_off_integers)
+#endif
       // the CRT route: a row's window integers as two exact doubles each, for crt_remainders_fp64
       std::vector<double> xhi(moduli > 0 ? K : 0), xlo(moduli > 0 ? K : 0);
       for (int64_t r = b; r < e; ++r) {
@@ -142,6 +145,21 @@ SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64
         if (need == 0 || need > S) continue;  // zero row, or left to the long-accumulator kernel
         const int s = int(bits * S) - 3 - nd[3 * r];
         sho[r] = s;
+        const int F = (nd[3 * r] + 3 - int(bits * S)) - nd[3 * r + 2];  // bits the residues reach below
+#if defined(LDET_CPU_AVX512)
+        if constexpr (kVectorRowStats<scalar_t>) {
+          if (moduli > 0 && !scalar && bits * S - 2 <= 46) {  // window integers exact in fp64
+            const int nres = crt_row_remainders_vec(p + r * K, K, s, crt, o + r * width, Kc, residues,
+                                                    residues ? ri + r * kResidueCap : nullptr,
+                                                    residues ? rv + r * kResidueCap : nullptr);
+            if (residues) {
+              rc[r] = nres;
+              Fo[r] = nres > 0 ? F : 0;
+            }
+            continue;
+          }
+        }
+#endif
         const double unscale = pow2(-s);
         int nres = 0;
         for (int64_t c = 0; c < nch; ++c) {
@@ -171,7 +189,7 @@ SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64
           crt_remainders_fp64(xhi.data(), xlo.data(), K, crt, o + r * width, Kc);
         if (residues) {
           rc[r] = nres;
-          Fo[r] = nres > 0 ? (nd[3 * r] + 3 - int(bits * S)) - nd[3 * r + 2] : 0;
+          Fo[r] = nres > 0 ? F : 0;
         }
       }
     });
@@ -243,34 +261,45 @@ bool crt_vector_unproven() {
   return on;
 }
 
-// combine_rows_crt eight outputs at a time (csrc/cpu/crt_vector.h): P in vector registers, and
+// combine_rows_crt sixteen outputs at a time (csrc/cpu/crt_vector.h): P in vector registers, and
 // fp32 outputs without residue terms or bias rounded there too; the other outputs (and any lane
 // whose P the vector form could not prove) finished one by one as before.
+template <int NL>
 void combine_rows_crt_vec(const CombineView& v, int64_t b, int64_t e) {
   const MxcsrDefault csr;
   const CrtVecConsts k = crt_vec_consts(v.crt);
   const bool fp32_out = v.fmt == kFmtF32 && !v.digits;
   const bool unproven = crt_vector_unproven();
-  int64_t hi[8];
-  uint64_t lo[8];
+  constexpr int U = 2;
+  int64_t hi[8 * U];
+  uint64_t lo[8 * U];
   for (int64_t m = b; m < e; ++m) {
     const bool plain_row = plain_crt_row(v, m);
-    for (int64_t n0 = 0; n0 < v.Nv; n0 += 8) {
-      const int nb = int(std::min<int64_t>(8, v.Nv - n0));
-      const __mmask8 live = __mmask8((1u << nb) - 1);
-      __mmask8 round = plain_row && fp32_out ? live : 0;
-      if (round && v.rw.count != nullptr)  // outputs with w's residue terms: one by one
-        round &= _mm256_cmpeq_epi32_mask(_mm256_maskz_loadu_epi32(live, v.rw.count + n0), _mm256_setzero_si256());
-      const int32_t* c = v.c + m * v.Ncp + n0;
-      float* o = fp32_out ? static_cast<float*>(v.out) + m * v.ldo + n0 : nullptr;
-      __mmask8 proven;
-      const __mmask8 done = unproven ? (proven = 0)
-                                     : crt_reconstruct8(c, v.pstride, k, live, v.sx[m], v.sw + n0, round, o, hi, lo, &proven);
-      for (unsigned rest = unsigned(live & ~done); rest != 0; rest &= rest - 1) {
-        const int j = __builtin_ctz(rest);
-        const i128 P = (proven >> j) & 1 ? i128(u128(uint64_t(hi[j])) << 64 | u128(lo[j]))
-                                         : crt_value(c + j, v.pstride, v.crt);
-        finish_crt_output(v, m, n0 + j, P, plain_row);
+    const int32_t* crow = v.c + m * v.Ncp;
+    for (int64_t n0 = 0; n0 < v.Nv; n0 += 8 * U) {
+      __mmask8 live[U];
+      for (int u = 0; u < U; ++u) {
+        const int64_t nb = std::max<int64_t>(0, std::min<int64_t>(8, v.Nv - n0 - 8 * u));
+        live[u] = __mmask8((1u << nb) - 1);
+      }
+      __m512d f[U], s[U][3];
+      crt_sums<U, NL>(crow + n0, v.pstride, k, live, f, s);
+      for (int u = 0; u < U; ++u) {
+        const int64_t n1 = n0 + 8 * u;
+        __mmask8 round = plain_row && fp32_out ? live[u] : 0;
+        if (round && v.rw.count != nullptr)  // outputs with w's residue terms: one by one
+          round &= _mm256_cmpeq_epi32_mask(_mm256_maskz_loadu_epi32(live[u], v.rw.count + n1), _mm256_setzero_si256());
+        float* o = fp32_out ? static_cast<float*>(v.out) + m * v.ldo + n1 : nullptr;
+        __mmask8 proven = 0, done = 0;
+        if (!unproven)
+          done = crt_finish8(f[u], s[u][0], s[u][1], s[u][2], k, live[u], v.sx[m], v.sw + n1, round, o, hi + 8 * u,
+                             lo + 8 * u, &proven);
+        for (unsigned rest = unsigned(live[u] & ~done); rest != 0; rest &= rest - 1) {
+          const int j = __builtin_ctz(rest);
+          const i128 P = (proven >> j) & 1 ? i128(u128(uint64_t(hi[8 * u + j])) << 64 | u128(lo[8 * u + j]))
+                                           : crt_value(crow + n1 + j, v.pstride, v.crt);
+          finish_crt_output(v, m, n1 + j, P, plain_row);
+        }
       }
     }
   }
@@ -282,7 +311,10 @@ void combine_rows_crt_vec(const CombineView& v, int64_t b, int64_t e) {
 // as theirs.
 void combine_rows_crt(const CombineView& v, int64_t b, int64_t e) {
 #if defined(LDET_CPU_AVX512)
-  if (!crt_scalar_forms()) return combine_rows_crt_vec(v, b, e);
+  if (!crt_scalar_forms()) {  // two limbs of S while every M / m_t < 2^80 (Q <= 11: each m_t <= 2^8)
+    if (v.crt.count <= 11) return combine_rows_crt_vec<2>(v, b, e);
+    return combine_rows_crt_vec<3>(v, b, e);
+  }
 #endif
   const CrtLimbs limbs = crt_limbs(v.crt);
   i128 P[kCrtBlock];

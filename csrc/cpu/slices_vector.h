@@ -1,6 +1,6 @@
-// The CPU's per-row slice statistics (row_needs) sixteen fp32 / bf16 elements at a time in AVX-512,
-// from the elements' fp32 bit patterns (csrc/int_slices.h has the scheme; int_slices_cpu.cpp the
-// scalar loops this replaces where the build has AVX-512).
+// The CPU's per-row slice statistics (row_needs) and CRT remainder planes (make_slices) for fp32 /
+// bf16 operands in AVX-512 (csrc/int_slices.h and crt.h have the scheme; int_slices_cpu.cpp the
+// scalar loops these replace where the build has AVX-512).
 //
 // Why: row_needs_cpu converted every element to fp64 and took exp_stat's 64-bit bit scans one
 // element at a time, twice: ~2.5 ms of a ~14 ms fp32 512^3 det_gemm on one core (perf, session 15;
@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "crt.h"
 #include "int_slices.h"
 
 namespace ldet {
@@ -91,6 +92,50 @@ inline bool row_stats_vec(const T* row, int64_t K, int bits, int* hi, int* lo, i
   }
   for (int s = 0; s < kSliceMax; ++s) over[s] = _mm512_reduce_add_epi32(cnt[s]);
   return true;
+}
+
+// Remainder planes of one row (make_slices' CRT route) for rows whose window integers stay below
+// 2^46 in magnitude (bits S - 2 <= 46): X = trunc(v 2^s) exactly in fp64 (v 2^s by scalef, exact;
+// truncation by conversion), and per modulus the same remainder as crt_remainders_fp64,
+// X - m floor((X + floor(m/2) + 1/2) / m) in [-floor(m/2), m - 1 - floor(m/2)], here as
+// X - m round((X + c) fl(1/m)) with c = 1/2 for the even modulus 2^bits (fl(1/m) exact) and c = 0
+// for odd m: (X + floor(m/2) + 1/2) / m - 1/2 = (X + c) / m, never within 1/(2m) of a
+// half-integer for odd m, and fl's error stays below 2^(46 - 7 - 52) = 2^-13: the rounding is
+// floor's. Why not the scalar loop: one pass in registers instead of one to split each X into two
+// doubles and one more per modulus over them (perf, session 15: ~0.5 of a torch.mm's time).
+// out[t * Kc + k] for t < Q, k < K; the residues (v not on the window's grid: v - X 2^-s, exact)
+// appended in order of k to ridx / rval when `residues`; returns their count.
+template <typename T>
+inline int crt_row_remainders_vec(const T* row, int64_t K, int s, const CrtConsts& t, int8_t* out, int64_t Kc,
+                                  bool residues, int32_t* ridx, double* rval) {
+  const __m512d scale = _mm512_set1_pd(double(s)), unscale = _mm512_set1_pd(double(-s));
+  int nres = 0;
+  for (int64_t k = 0; k < K; k += 8) {
+    const __mmask8 live = K - k >= 8 ? __mmask8(0xff) : __mmask8((1u << (K - k)) - 1);
+    const __m512d v = _mm512_cvtps_pd(_mm256_castsi256_ps(
+        _mm512_castsi512_si256(load_f32_bits16(row + k, __mmask16(live)))));
+    const __m512d X = _mm512_cvtepi64_pd(_mm512_cvttpd_epi64(_mm512_scalef_pd(v, scale)));  // trunc, exact
+    if (residues) {
+      const __m512d back = _mm512_scalef_pd(X, unscale);  // exact: X 2^-s is v with its low bits cut
+      for (unsigned rm = _mm512_mask_cmpneq_pd_mask(live, back, v); rm != 0; rm &= rm - 1) {
+        const int j = __builtin_ctz(rm);  // row_plan bounded this row's residues at S by kResidueCap
+        alignas(64) double vv[8], bb[8];
+        _mm512_store_pd(vv, v);
+        _mm512_store_pd(bb, back);
+        ridx[nres] = int32_t(k + j);
+        rval[nres] = vv[j] - bb[j];
+        ++nres;
+      }
+    }
+    for (int i = 0; i < t.count; ++i) {
+      const double m = double(t.m[i]);
+      const __m512d a = (t.m[i] & 1) ? X : _mm512_add_pd(X, _mm512_set1_pd(0.5));
+      const __m512d q = crt_round_pd(_mm512_mul_pd(a, _mm512_set1_pd(t.rinv[i])));
+      const __m512i y = _mm512_cvtpd_epi64(_mm512_fnmadd_pd(q, _mm512_set1_pd(m), X));  // exact
+      _mm512_mask_cvtepi64_storeu_epi8(out + i * Kc + k, live, y);
+    }
+  }
+  return nres;
 }
 
 }  // namespace ldet
