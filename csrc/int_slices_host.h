@@ -56,21 +56,24 @@ struct SliceOperand {
 };
 
 // A SliceOperand's buffers for operand a: slices (Rp, width), scales and, when `residues`, the
-// residue lists (counts zeroed). zero_fill: zeros where the slicing kernel writes only live rows.
-inline SliceOperand new_slice_operand(const at::Tensor& a, int64_t Rp, int64_t width, bool residues, bool zero_fill) {
+// residue lists (counts zeroed). zero_fill: zeros in sh and F where the slicing kernel writes only
+// live rows; zero_slices: in q too (the CPU's kernel zeroes q a row at a time instead, where the
+// row is in cache: one pass over the planes fewer).
+inline SliceOperand new_slice_operand(const at::Tensor& a, int64_t Rp, int64_t width, bool residues, bool zero_fill,
+                                      bool zero_slices) {
   const int64_t R = a.size(0);
-  auto make = [&](at::IntArrayRef size, at::ScalarType t) {
+  auto make = [&](at::IntArrayRef size, at::ScalarType t, bool zeros) {
     // uninit: the CUDA slicing kernel writes every element of q, sh and F (zeros for padding and
     // rows it leaves)
-    return zero_fill ? at::zeros(size, a.options().dtype(t)) : uninit(size, a.options().dtype(t));
+    return zeros ? at::zeros(size, a.options().dtype(t)) : uninit(size, a.options().dtype(t));
   };
-  SliceOperand so{a, make({Rp, width}, at::kChar), make({R}, at::kInt), {}, {}, {}, {}};
+  SliceOperand so{a, make({Rp, width}, at::kChar, zero_slices), make({R}, at::kInt, zero_fill), {}, {}, {}, {}};
   if (residues) {
     so.rcount = at::zeros({R}, a.options().dtype(at::kInt));
     // read only below their row's count
     so.ridx = uninit({R, kResidueCap}, a.options().dtype(at::kInt));
     so.rval = uninit({R, kResidueCap}, a.options().dtype(at::kDouble));
-    so.F = make({R}, at::kInt);
+    so.F = make({R}, at::kInt, zero_fill);
   }
   return so;
 }

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <mutex>
 #include <string>
@@ -122,7 +123,7 @@ SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64
   const int64_t R = a.size(0), K = a.size(1), width = moduli > 0 ? moduli * Kc : nch * S * Kc;
   const CrtConsts crt = moduli > 0 ? crt_consts(int(bits), int(moduli)) : CrtConsts{};
   const bool scalar = crt_scalar_forms();
-  SliceOperand so = new_slice_operand(a, Rp, width, residues, /*zero_fill=*/true);
+  SliceOperand so = new_slice_operand(a, Rp, width, residues, /*zero_fill=*/true, /*zero_slices=*/false);
   const int32_t* nd = needs.data_ptr<int32_t>();
   int8_t* o = so.q.data_ptr<int8_t>();
   int32_t* sho = so.sh.data_ptr<int32_t>();
@@ -142,7 +143,10 @@ SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64
       std::vector<double> xhi(moduli > 0 ? K : 0), xlo(moduli > 0 ? K : 0);
       for (int64_t r = b; r < e; ++r) {
         const int need = nd[3 * r + 1];
-        if (need == 0 || need > S) continue;  // zero row, or left to the long-accumulator kernel
+        // the row's slices start as zeros (q is not zero-filled: see new_slice_operand): a zero
+        // row, a row left to the long-accumulator kernel, the padding past K
+        std::memset(o + r * width, 0, size_t(width));
+        if (need == 0 || need > S) continue;
         const int s = int(bits * S) - 3 - nd[3 * r];
         sho[r] = s;
         const int F = (nd[3 * r] + 3 - int(bits * S)) - nd[3 * r + 2];  // bits the residues reach below
@@ -194,6 +198,7 @@ SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64
       }
     });
   });
+  if (Rp > R) std::memset(o + R * width, 0, size_t((Rp - R) * width));  // padding rows
   if (left.defined()) {  // rows needing more than S (a guessed plan): exact_rows recomputes them
     int32_t* l = left.data_ptr<int32_t>();
     for (int64_t r = 0; r < R; ++r)

@@ -469,7 +469,7 @@ SliceOperand make_slices_cuda(const at::Tensor& a, const at::Tensor& needs, int6
                               int64_t Kc, int64_t nch, int64_t Rp, bool residues, const at::Tensor& left,
                               int64_t moduli) {
   const int64_t R = a.size(0), K = a.size(1), width = moduli > 0 ? moduli * Kc : nch * S * Kc;
-  SliceOperand so = new_slice_operand(a, Rp, width, residues, /*zero_fill=*/false);
+  SliceOperand so = new_slice_operand(a, Rp, width, residues, /*zero_fill=*/false, /*zero_slices=*/false);
   if (S == 0) {  // never a guessed plan (those have S >= 1): `left` needs no rows here
     so.sh.zero_();
     return so;
