@@ -73,6 +73,25 @@ def seven_bit_digits_not_forced() -> bool:
         return last_slices_plan()["slices_x"] == 2
 
 
+def test_residues_of_x_and_w_in_the_same_column():
+    # x[m, 3] = w[n, 3] = 1 + 2^-6 in rows topped by 1.0 at one slice (window down to 2^-5): both
+    # hold a residue 2^-6 in column 3, so out[:4, :4] needs x3 wr + xr w, not x wr + xr w, which
+    # counts xr wr = 2^-12 twice (1 + 2^-5 + 2^-12 is exact in fp32: the double count shows).
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(16, 32, (16, 1024), generator=g).float() / 32  # 5 bits below 1.0: one slice
+    w = torch.randint(16, 32, (16, 1024), generator=g).float() / 32
+    x[:, 0], w[:, 0] = 1.0, 1.0
+    x[:4, 3], w[:4, 3] = 1 + 2.0**-6, 1 + 2.0**-6
+    want = R.gemm_rounded(x, w)
+    for route in ("slices_diagonals", "slices_crt"):
+        with gemm_path(route):
+            got = det_gemm(x, w)
+            plan = last_slices_plan()
+        assert (plan["slices_x"], plan["slices_w"], plan["residues_x"], plan["residues_w"]) == (1, 1, 4, 4), plan
+        assert_bitwise(got, want, f"{route}: residues of x and w in one column")
+    assert_same_everywhere(x, w, gen.normal((16,), torch.float32, 36), "residues in one column")
+
+
 @pytest.mark.parametrize("dt", DTYPES)
 def test_residue_route_on_random_rows(dt):
     # randn rows of 700 values: a few values per row below the window the others need

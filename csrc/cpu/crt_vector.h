@@ -83,13 +83,15 @@ inline void crt_sums(const int32_t* c, int64_t pstride, const CrtVecConsts& k, c
   }
 }
 
-// Step 2's check and step 3 for eight lanes (live) with sums f, s0, s1, s2 (crt_sums): P as two's
-// complement hi 2^64 + lo into hi[j], lo[j] where it was proven (*proven_out: those lanes). Of the
-// lanes in `round`, those proven whose scale 2^E, E = -(shx + shw[j]), keeps the scaling exact get
-// fp32(P 2^E) in out[j]; returns them.
-inline __mmask8 crt_finish8(__m512d f, __m512d s0, __m512d s1, __m512d s2, const CrtVecConsts& k, __mmask8 live,
-                            int32_t shx, const int32_t* shw, __mmask8 round, float* out, int64_t* hi, uint64_t* lo,
-                            __mmask8* proven_out) {
+// Eight two's complement 128-bit integers, hi 2^64 + lo.
+struct I128x8 {
+  __m512i hi, lo;
+};
+
+// Step 2's check and P for eight lanes (live) with sums f, s0, s1, s2 (crt_sums) into *P; returns
+// the lanes whose P was proven.
+inline __mmask8 crt_p8(__m512d f, __m512d s0, __m512d s1, __m512d s2, const CrtVecConsts& k, __mmask8 live,
+                       I128x8* P) {
   const __m512d q = crt_round_pd(f);
   const __m512d gap = _mm512_abs_pd(_mm512_sub_pd(f, q));
   const __mmask8 proven = _mm512_mask_cmp_pd_mask(live, gap, _mm512_set1_pd(0.5 - 0x1p-40), _CMP_LE_OQ);
@@ -102,27 +104,75 @@ inline __mmask8 crt_finish8(__m512d f, __m512d s0, __m512d s1, __m512d s2, const
   d1 = _mm512_add_epi64(d1, _mm512_srai_epi64(d0, 40));
   const __m512i t1 = _mm512_and_si512(d1, mask40);
   d2 = _mm512_add_epi64(d2, _mm512_srai_epi64(d1, 40));
-  const __m512i vlo = _mm512_or_si512(t0, _mm512_slli_epi64(t1, 40));
-  const __m512i vhi = _mm512_add_epi64(_mm512_srli_epi64(t1, 24), _mm512_slli_epi64(d2, 16));
-  _mm512_mask_storeu_epi64(hi, proven, vhi);
-  _mm512_mask_storeu_epi64(lo, proven, vlo);
+  P->lo = _mm512_or_si512(t0, _mm512_slli_epi64(t1, 40));
+  P->hi = _mm512_add_epi64(_mm512_srli_epi64(t1, 24), _mm512_slli_epi64(d2, 16));
+  return proven;
+}
 
-  *proven_out = proven;
-  // E in [-1000, 800]: with s <= 75 below, 2^(s + E) and q 2^(s + E) < 2^(53 + 875) stay normal
-  const __m256i E = _mm256_sub_epi32(_mm256_setzero_si256(),
-                                     _mm256_add_epi32(_mm256_set1_epi32(shx), _mm256_maskz_loadu_epi32(round, shw)));
-  const __mmask8 e_ok = _mm256_cmpge_epi32_mask(E, _mm256_set1_epi32(-1000)) &
-                        _mm256_cmple_epi32_mask(E, _mm256_set1_epi32(800));
-  const __mmask8 go = round & proven & e_ok;
-  if (go == 0) return 0;
-  // |P| as (ah, al): negate the 128-bit value where it is negative
+// T << F per lane, 0 <= F < 128 (modulo 2^128; the caller's proof keeps the value in range).
+inline I128x8 shl128(I128x8 T, __m512i F) {
+  const __m512i c64 = _mm512_set1_epi64(64);
+  // counts >= 64 (or negative, i.e. huge as unsigned) give 0
+  const __m512i hi = _mm512_or_si512(_mm512_or_si512(_mm512_sllv_epi64(T.hi, F), _mm512_srlv_epi64(T.lo, _mm512_sub_epi64(c64, F))),
+                                     _mm512_sllv_epi64(T.lo, _mm512_sub_epi64(F, c64)));
+  return {hi, _mm512_sllv_epi64(T.lo, F)};
+}
+
+// add_units (csrc/int_slices.h) for eight lanes: T += b where the finite fp64 b is an integer
+// number of units 2^Eu below 2^max_bits units; returns the lanes of `lanes` where it is not
+// (T unchanged there; the caller then takes the scalar route, which finds the same and falls
+// back to the digits).
+inline __mmask8 add_units8(I128x8* T, __m512d b, __m512i Eu, int max_bits, __mmask8 lanes) {
+  const __m512i u = _mm512_castpd_si512(b);
+  const __m512i e = _mm512_and_si512(_mm512_srli_epi64(u, 52), _mm512_set1_epi64(0x7ff));
+  __m512i m = _mm512_and_si512(u, _mm512_set1_epi64((int64_t(1) << 52) - 1));
+  const __mmask8 normal = _mm512_test_epi64_mask(e, e);
+  m = _mm512_mask_or_epi64(m, normal, m, _mm512_set1_epi64(int64_t(1) << 52));
+  // |b| = m 2^(sh + Eu): sh = e - 1075 - Eu for normals, -1074 - Eu for subnormals
+  const __m512i sh = _mm512_sub_epi64(_mm512_mask_sub_epi64(_mm512_set1_epi64(-1074), normal, e, _mm512_set1_epi64(1075)), Eu);
+  const __mmask8 special = _mm512_cmpeq_epi64_mask(e, _mm512_set1_epi64(0x7ff));
+  const __mmask8 nonzero = _mm512_test_epi64_mask(m, m) & ~special;
+  const __m512i tz = _mm512_sub_epi64(_mm512_set1_epi64(63), _mm512_lzcnt_epi64(_mm512_and_si512(m, _mm512_sub_epi64(_mm512_setzero_si512(), m))));
+  const __mmask8 off_grid = _mm512_cmplt_epi64_mask(_mm512_add_epi64(sh, tz), _mm512_setzero_si512());
+  const __mmask8 too_big = _mm512_cmpgt_epi64_mask(sh, _mm512_set1_epi64(max_bits - 53));
+  const __mmask8 bad = lanes & (special | (nonzero & (off_grid | too_big)));
+  const __mmask8 add = lanes & nonzero & ~bad;
+  if (add == 0) return bad;
+  // v = m 2^sh as 128 bits: sh in [-52, max_bits - 53]; right shifts drop only zeros (tz above)
   const __m512i zero = _mm512_setzero_si512();
-  const __mmask8 neg = _mm512_cmplt_epi64_mask(vhi, zero);
-  const __mmask8 lo_zero = _mm512_cmpeq_epi64_mask(vlo, zero);
-  const __m512i al = _mm512_mask_sub_epi64(vlo, neg, zero, vlo);
-  __m512i ah = _mm512_mask_xor_epi64(vhi, neg, vhi, _mm512_set1_epi64(-1));
+  const __m512i neg_sh = _mm512_sub_epi64(zero, sh);
+  const __mmask8 right = _mm512_cmplt_epi64_mask(sh, zero);
+  I128x8 v = shl128({zero, m}, _mm512_max_epi64(sh, zero));
+  v.lo = _mm512_mask_srlv_epi64(v.lo, right, m, neg_sh);
+  // T +- v with the carry (borrow) between the words
+  const __mmask8 minus = add & _mm512_cmplt_epi64_mask(u, zero), plus = add & ~minus;
+  const __m512i lo_add = _mm512_add_epi64(T->lo, v.lo), lo_sub = _mm512_sub_epi64(T->lo, v.lo);
+  const __mmask8 carry = _mm512_cmplt_epu64_mask(lo_add, T->lo), borrow = _mm512_cmplt_epu64_mask(T->lo, v.lo);
+  const __m512i one = _mm512_set1_epi64(1);
+  __m512i hi = _mm512_mask_add_epi64(T->hi, plus, T->hi, v.hi);
+  hi = _mm512_mask_add_epi64(hi, plus & carry, hi, one);
+  hi = _mm512_mask_sub_epi64(hi, minus, hi, v.hi);
+  hi = _mm512_mask_sub_epi64(hi, minus & borrow, hi, one);
+  T->hi = hi;
+  T->lo = _mm512_mask_mov_epi64(_mm512_mask_mov_epi64(T->lo, plus, lo_add), minus, lo_sub);
+  return bad;
+}
+
+// Step 3 for the lanes `go`: fp32(T 2^E) into out[j], T two's complement, E per lane (int64).
+// Lanes whose E lies outside [-1000, 800] are left (the caller's scalar route takes them): with
+// at most 75 bits dropped below, 2^(s + E) and q 2^(s + E) < 2^(53 + 875) stay normal doubles.
+// Returns the lanes written.
+inline __mmask8 round_to_f32_8(I128x8 T, __m512i E, __mmask8 go, float* out) {
+  go &= _mm512_cmpge_epi64_mask(E, _mm512_set1_epi64(-1000)) & _mm512_cmple_epi64_mask(E, _mm512_set1_epi64(800));
+  if (go == 0) return 0;
+  // |T| as (ah, al): negate the 128-bit value where it is negative
+  const __m512i zero = _mm512_setzero_si512();
+  const __mmask8 neg = _mm512_cmplt_epi64_mask(T.hi, zero);
+  const __mmask8 lo_zero = _mm512_cmpeq_epi64_mask(T.lo, zero);
+  const __m512i al = _mm512_mask_sub_epi64(T.lo, neg, zero, T.lo);
+  __m512i ah = _mm512_mask_xor_epi64(T.hi, neg, T.hi, _mm512_set1_epi64(-1));
   ah = _mm512_mask_add_epi64(ah, neg & lo_zero, ah, _mm512_set1_epi64(1));
-  // bit length L, drop s = max(0, L - 53) bits, sticky into bit 0: |P| rounded to odd at 53 bits
+  // bit length L, drop s = max(0, L - 53) bits, sticky into bit 0: |T| rounded to odd at 53 bits
   const __mmask8 hi_set = _mm512_cmpneq_epi64_mask(ah, zero);
   const __m512i lz = _mm512_mask_add_epi64(_mm512_add_epi64(_mm512_lzcnt_epi64(al), _mm512_set1_epi64(64)), hi_set,
                                            _mm512_lzcnt_epi64(ah), zero);
@@ -135,10 +185,9 @@ inline __mmask8 crt_finish8(__m512d f, __m512d s0, __m512d s1, __m512d s2, const
   const __m512i below_hi = _mm512_andnot_si512(_mm512_sllv_epi64(ones, _mm512_max_epi64(s64, zero)), ah);
   const __mmask8 sticky = _mm512_test_epi64_mask(_mm512_or_si512(below_lo, below_hi), ones);
   qv = _mm512_mask_or_epi64(qv, sticky, qv, _mm512_set1_epi64(1));
-  // value = +-q 2^(s + E): exact while 2^(s + E) is a normal double (the caller checked E)
-  const __m512i e = _mm512_add_epi64(s, _mm512_cvtepi32_epi64(E));
-  __m512d v = _mm512_scalef_pd(_mm512_cvtepu64_pd(qv), _mm512_cvtepi64_pd(e));
-  v = _mm512_mask_sub_pd(v, neg, _mm512_setzero_pd(), v);  // P != 0 where negative: no -0.0 from here
+  // value = +-q 2^(s + E), exact
+  __m512d v = _mm512_scalef_pd(_mm512_cvtepu64_pd(qv), _mm512_cvtepi64_pd(_mm512_add_epi64(s, E)));
+  v = _mm512_mask_sub_pd(v, neg, _mm512_setzero_pd(), v);  // T != 0 where negative: no -0.0 from here
   _mm256_mask_storeu_ps(out, go, _mm512_cvtpd_ps(v));
   return go;
 }

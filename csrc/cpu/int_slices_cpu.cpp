@@ -266,14 +266,54 @@ bool crt_vector_unproven() {
   return on;
 }
 
+// The residue terms and bias of eight outputs (m, n1 + j), j in `go`, added to T in units of
+// 2^Eu as finish_output_fast adds them (csrc/int_slices.h; the terms' order cannot matter: integer
+// sums); returns the lanes where a term is not an integer number of units in range.
+__mmask8 add_terms8(const CombineView& v, int64_t m, int64_t n1, __mmask8 go, I128x8* T, __m512i Eu) {
+  __mmask8 bad = 0;
+  alignas(64) double t[8];
+  if (v.bias != nullptr)  // the bias joins T when it is an integer number of units below 2^100 of them
+    bad |= add_units8(T, _mm512_maskz_loadu_pd(go, v.bias + n1), Eu, 100, go);
+  const int cx = v.rx.count ? v.rx.count[m] : 0;
+  for (int r = 0; r < cx; ++r) {  // x's residues times w: xr[m, k] w[n, k]
+    const int64_t slot = m * kResidueCap + r;
+    const double xr = v.rx.val[slot];
+    for (int j = 0; j < 8; ++j) t[j] = (go >> j) & 1 ? xr * v.ew.at(n1 + j, v.rx.idx[slot]) : 0.0;
+    bad |= add_units8(T, _mm512_load_pd(t), Eu, 124, go);
+  }
+  if (v.rw.count == nullptr) return bad;
+  const __m256i cw = _mm256_maskz_loadu_epi32(go, v.rw.count + n1);
+  const int cmax = _mm512_reduce_max_epi64(_mm512_cvtepi32_epi64(cw));
+  const double up = pow2(v.sx[m]), down = pow2(-v.sx[m]);
+  for (int r = 0; r < cmax; ++r) {  // x's window part times w's residues: x3[m, k] wr[n, k]
+    const __mmask8 has = go & _mm256_cmpgt_epi32_mask(cw, _mm256_set1_epi32(r));
+    __mmask8 use = has;
+    for (int j = 0; j < 8; ++j) {
+      t[j] = 0.0;
+      if (!((has >> j) & 1)) continue;
+      const int64_t slot = (n1 + j) * kResidueCap + r;
+      // ResidueTerms::each's window part: a row left to the kernel (outputs recomputed) adds nothing
+      const double scaled = v.ex.at(m, v.rw.idx[slot]) * up;
+      if (!(scaled < 0x1p62 && scaled > -0x1p62)) {
+        use &= __mmask8(~(1u << j));
+        continue;
+      }
+      t[j] = double(int64_t(scaled)) * down * v.rw.val[slot];
+    }
+    bad |= add_units8(T, _mm512_load_pd(t), Eu, 124, use);
+  }
+  return bad;
+}
+
 // combine_rows_crt sixteen outputs at a time (csrc/cpu/crt_vector.h): P in vector registers, and
-// fp32 outputs without residue terms or bias rounded there too; the other outputs (and any lane
+// fp32 outputs with a proven 128-bit sum (wide) rounded there too, their residue terms and bias
+// added as integers first; the other outputs (digits, other formats, a term off the grid, a lane
 // whose P the vector form could not prove) finished one by one as before.
 template <int NL>
 void combine_rows_crt_vec(const CombineView& v, int64_t b, int64_t e) {
   const MxcsrDefault csr;
   const CrtVecConsts k = crt_vec_consts(v.crt);
-  const bool fp32_out = v.fmt == kFmtF32 && !v.digits;
+  const bool round_here = v.fmt == kFmtF32 && !v.digits && v.wide;
   const bool unproven = crt_vector_unproven();
   constexpr int U = 2;
   int64_t hi[8 * U];
@@ -281,6 +321,8 @@ void combine_rows_crt_vec(const CombineView& v, int64_t b, int64_t e) {
   for (int64_t m = b; m < e; ++m) {
     const bool plain_row = plain_crt_row(v, m);
     const int32_t* crow = v.c + m * v.Ncp;
+    const __m512i Fx = _mm512_set1_epi64(v.rx.F ? v.rx.F[m] : 0);
+    const __m512i shx = _mm512_set1_epi64(v.sx[m]);
     for (int64_t n0 = 0; n0 < v.Nv; n0 += 8 * U) {
       __mmask8 live[U];
       for (int u = 0; u < U; ++u) {
@@ -291,19 +333,33 @@ void combine_rows_crt_vec(const CombineView& v, int64_t b, int64_t e) {
       crt_sums<U, NL>(crow + n0, v.pstride, k, live, f, s);
       for (int u = 0; u < U; ++u) {
         const int64_t n1 = n0 + 8 * u;
-        __mmask8 round = plain_row && fp32_out ? live[u] : 0;
-        if (round && v.rw.count != nullptr)  // outputs with w's residue terms: one by one
-          round &= _mm256_cmpeq_epi32_mask(_mm256_maskz_loadu_epi32(live[u], v.rw.count + n1), _mm256_setzero_si256());
-        float* o = fp32_out ? static_cast<float*>(v.out) + m * v.ldo + n1 : nullptr;
-        __mmask8 proven = 0, done = 0;
-        if (!unproven)
-          done = crt_finish8(f[u], s[u][0], s[u][1], s[u][2], k, live[u], v.sx[m], v.sw + n1, round, o, hi + 8 * u,
-                             lo + 8 * u, &proven);
+        I128x8 P;
+        const __mmask8 proven = unproven ? 0 : crt_p8(f[u], s[u][0], s[u][1], s[u][2], k, live[u], &P);
+        __mmask8 done = 0;
+        if (proven) {
+          _mm512_mask_storeu_epi64(hi + 8 * u, proven, P.hi);
+          _mm512_mask_storeu_epi64(lo + 8 * u, proven, P.lo);
+        }
+        if (round_here && proven) {
+          float* o = static_cast<float*>(v.out) + m * v.ldo + n1;
+          const __m512i E = _mm512_sub_epi64(_mm512_setzero_si512(),
+                                             _mm512_add_epi64(shx, _mm512_cvtepi32_epi64(_mm256_maskz_loadu_epi32(proven, v.sw + n1))));
+          if (plain_row && v.rw.count == nullptr) {
+            done = round_to_f32_8(P, E, proven, o);
+          } else {  // T = P 2^F plus the terms, in units of 2^(E - F) (finish_output_fast)
+            __m512i F = Fx;
+            if (v.rw.F) F = _mm512_add_epi64(F, _mm512_cvtepi32_epi64(_mm256_maskz_loadu_epi32(proven, v.rw.F + n1)));
+            const __m512i Eu = _mm512_sub_epi64(E, F);
+            I128x8 T = shl128(P, F);
+            const __mmask8 bad = add_terms8(v, m, n1, proven, &T, Eu);
+            done = round_to_f32_8(T, Eu, proven & ~bad, o);
+          }
+        }
         for (unsigned rest = unsigned(live[u] & ~done); rest != 0; rest &= rest - 1) {
           const int j = __builtin_ctz(rest);
-          const i128 P = (proven >> j) & 1 ? i128(u128(uint64_t(hi[8 * u + j])) << 64 | u128(lo[8 * u + j]))
-                                           : crt_value(crow + n1 + j, v.pstride, v.crt);
-          finish_crt_output(v, m, n1 + j, P, plain_row);
+          const i128 P1 = (proven >> j) & 1 ? i128(u128(uint64_t(hi[8 * u + j])) << 64 | u128(lo[8 * u + j]))
+                                            : crt_value(crow + n1 + j, v.pstride, v.crt);
+          finish_crt_output(v, m, n1 + j, P1, plain_row);
         }
       }
     }
