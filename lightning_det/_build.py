@@ -13,6 +13,9 @@ Environment:
   LIGHTNING_DET_BUILD_DIR      cache folder (default ~/.cache/lightning_det/<key>)
   LIGHTNING_DET_VERBOSE_BUILD  set to 1 to print the compiler's output
   LIGHTNING_DET_NO_CUDA        set to 1 to build the CPU kernels only
+  LIGHTNING_DET_MARCH          the -march of the CPU kernels (default: native). x86-64-v3 builds
+                               them without AVX-512, as a machine without it runs them (the same
+                               bytes: tests/test_cpu_arch.py); its own cache folder
 """
 from __future__ import annotations
 
@@ -70,7 +73,8 @@ def _build_dir(src: Path, with_cuda: bool) -> Path:
     # Keyed by checkout path too, so two checkouts (worktrees) never overwrite each other.
     key = hashlib.sha1(str(src).encode()).hexdigest()[:10]
     base = Path(root) if root else Path.home() / ".cache" / "lightning_det"
-    d = base / f"torch{torch.__version__.split('+')[0]}-{flavour}-{key}"
+    march = os.environ.get("LIGHTNING_DET_MARCH", "native")
+    d = base / (f"torch{torch.__version__.split('+')[0]}-{flavour}-{key}" + ("" if march == "native" else f"-{march}"))
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -101,7 +105,8 @@ def load() -> None:
         # rounding step is the one written in the source, identical on CPU and GPU.
         # -fno-math-errno: sqrtf's errno branch otherwise blocks loop vectorization; results
         # are unchanged (sqrt stays the IEEE correctly rounded one, only errno is not set).
-        cflags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno"]
+        march = os.environ.get("LIGHTNING_DET_MARCH", "native")
+        cflags = ["-O3", f"-march={march}", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno"]
         cuda_flags = ["-O3", "-fmad=false", "--expt-relaxed-constexpr", "-lineinfo"]
         if with_cuda:
             cflags.append("-DLDET_WITH_CUDA")

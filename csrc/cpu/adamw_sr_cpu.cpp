@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "cpu/fp_env.h"
 #include "adamw_sr.h"
 #include "adamw_sr_checks.h"
 
@@ -133,7 +134,7 @@ void adamw_sr_step_cpu(at::Tensor param, const at::Tensor& grad, at::Tensor exp_
   // Tasks own whole Philox blocks of global indices, so which task computes an element (and
   // how many threads there are) cannot change its bytes.
   const int64_t nblk = ldet::num_philox_blocks(a.base, n);
-  at::parallel_for(0, nblk, kGrainBlocks, [&](int64_t b0, int64_t b1) {
+  ldet::ieee_parallel_for(0, nblk, kGrainBlocks, [&](int64_t b0, int64_t b1) {
     int64_t lo, hi, lo_end, hi_end;
     ldet::philox_block_range(b0, a.base, n, &lo, &hi);
     ldet::philox_block_range(b1 - 1, a.base, n, &lo_end, &hi_end);
@@ -150,7 +151,7 @@ at::Tensor sr_round_bf16_cpu(const at::Tensor& x_in, int64_t seed, int64_t step,
   const float* xp = x.data_ptr<float>();
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const uint64_t base = static_cast<uint64_t>(base_index);
-  at::parallel_for(0, ldet::num_philox_blocks(base, n), kGrainBlocks, [&](int64_t b0, int64_t b1) {
+  ldet::ieee_parallel_for(0, ldet::num_philox_blocks(base, n), kGrainBlocks, [&](int64_t b0, int64_t b1) {
     int64_t lo, hi, lo_end, hi_end;
     ldet::philox_block_range(b0, base, n, &lo, &hi);
     ldet::philox_block_range(b1 - 1, base, n, &lo_end, &hi_end);
@@ -163,6 +164,6 @@ at::Tensor sr_round_bf16_cpu(const at::Tensor& x_in, int64_t seed, int64_t step,
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ldet, CPU, m) {
-  m.impl("adamw_sr_step", &adamw_sr_step_cpu);
-  m.impl("sr_round_bf16", &sr_round_bf16_cpu);
+  m.impl("adamw_sr_step", &ldet::ieee_op<&adamw_sr_step_cpu>::call);
+  m.impl("sr_round_bf16", &ldet::ieee_op<&sr_round_bf16_cpu>::call);
 }

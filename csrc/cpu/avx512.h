@@ -1,6 +1,7 @@
 // Whether this CPU build has the AVX-512 subsets the vector forms in csrc/cpu/*_vector.h use
 // (-march=native decides; without them the scalar and auto-vectorized loops run, same bytes),
-// and the helpers those forms share.
+// and the helpers those forms share. They round to nearest: each op runs under the IEEE default
+// environment (csrc/cpu/fp_env.h).
 #pragma once
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512CD__) && defined(__AVX512VL__) && \
@@ -9,16 +10,6 @@
 #include <immintrin.h>
 
 namespace ldet {
-
-// Round-to-nearest, no flush-to-zero, exceptions masked (the x86 default) while it lives; the
-// caller's MXCSR restored after.
-struct MxcsrDefault {
-  unsigned saved;
-  MxcsrDefault() : saved(_mm_getcsr()) { _mm_setcsr(0x1F80u); }
-  ~MxcsrDefault() { _mm_setcsr(saved); }
-  MxcsrDefault(const MxcsrDefault&) = delete;
-  MxcsrDefault& operator=(const MxcsrDefault&) = delete;
-};
 
 // x rounded to the nearest integer (ties to even) for |x| < 2^51 (floor_off_integers' trick).
 inline __m512d crt_round_pd(__m512d x) {

@@ -23,8 +23,9 @@
 //     alike. So fp32(fp64(that) * 2^(E + shift)) (exact scaling: checked normal in fp64) is
 //     round_signed_int128(P, E, fp32): ties to even, overflow to inf, -0.0 for a negative value
 //     that rounds to zero, +0.0 for P = 0.
-// The conversion and step 1's rounding need round-to-nearest without flush-to-zero: the caller
-// holds a MxcsrDefault for the duration (torch.set_flush_denormal(True) sets FTZ/DAZ).
+// The conversion and step 1's rounding need round-to-nearest without flush-to-zero: every CPU op
+// runs under the IEEE default environment (csrc/cpu/fp_env.h; torch.set_flush_denormal(True)
+// sets FTZ/DAZ).
 // tests/test_crt_route.py compares these bytes with the scalar forms (LIGHTNING_DET_CRT_SCALAR=1)
 // and with the diagonals on rounding edges: ties, subnormal and overflowing outputs, |P| around
 // 2^53, 2^64 and at the moduli's bound.

@@ -5,6 +5,7 @@
 
 #include <ATen/Parallel.h>
 
+#include "cpu/fp_env.h"
 #include "detmath.h"
 #include "detmath_checks.h"
 #include "uninit.h"
@@ -22,7 +23,7 @@ at::Tensor act_cpu(const at::Tensor& x, int64_t kind) {
   const double* src = xd.data_ptr<double>();
   void* o = out.data_ptr();
   const int k = int(kind);
-  at::parallel_for(0, xd.numel(), 2048, [&](int64_t b, int64_t e) {
+  ieee_parallel_for(0, xd.numel(), 2048, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) store_fmt(o, i, round_double_fmt(act_forward(src[i], k), fmt), fmt);
   });
   return out;
@@ -41,7 +42,7 @@ at::Tensor act_backward_cpu(const at::Tensor& grad, const at::Tensor& x, int64_t
   const double* gs = gd.data_ptr<double>();
   void* o = out.data_ptr();
   const int k = int(kind);
-  at::parallel_for(0, xd.numel(), 2048, [&](int64_t b, int64_t e) {
+  ieee_parallel_for(0, xd.numel(), 2048, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) store_fmt(o, i, round_double_fmt(gs[i] * act_derivative(xs[i], k), fmt), fmt);
   });
   return out;
@@ -74,7 +75,7 @@ at::Tensor dot_rows_cpu(const at::Tensor& a, const c10::optional<at::Tensor>& b)
   const DotOperands d = dot_operands(a, b);
   at::Tensor out = uninit({d.rows, LDET_WORDS}, a.options().dtype(at::kLong));  // every row's words written
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, d.rows, 16, [&](int64_t rb, int64_t re) {
+  ieee_parallel_for(0, d.rows, 16, [&](int64_t rb, int64_t re) {
     for (int64_t r = rb; r < re; ++r) {
       int64_t* acc = o + r * LDET_WORDS;
       zero(acc);
@@ -100,7 +101,7 @@ at::Tensor dot_cols_cpu(const at::Tensor& a, const c10::optional<at::Tensor>& b)
   // and integer addition makes the row order irrelevant anyway.
   constexpr int64_t kBlock = 32;
   const int64_t nblocks = (d.cols + kBlock - 1) / kBlock;
-  at::parallel_for(0, nblocks, 1, [&](int64_t bb, int64_t be) {
+  ieee_parallel_for(0, nblocks, 1, [&](int64_t bb, int64_t be) {
     for (int64_t blk = bb; blk < be; ++blk) {
       const int64_t c0 = blk * kBlock;
       const int64_t c1 = std::min(d.cols, c0 + kBlock);
@@ -128,7 +129,7 @@ at::Tensor ce_row_loss_cpu(const at::Tensor& m, const at::Tensor& picked, const 
   at::Tensor out = uninit(m.sizes(), m.options());  // every element written
   const float *pm = mc.data_ptr<float>(), *pp = pc.data_ptr<float>(), *pt = tc.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, m.numel(), 2048, [&](int64_t b, int64_t e) {
+  ieee_parallel_for(0, m.numel(), 2048, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) o[i] = ce_row_loss(pm[i], pp[i], pt[i]);
   });
   return out;
@@ -137,11 +138,11 @@ at::Tensor ce_row_loss_cpu(const at::Tensor& m, const at::Tensor& picked, const 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ldet, CPU, m) {
-  m.impl("act", &act_cpu);
-  m.impl("act_backward", &act_backward_cpu);
-  m.impl("dot_rows", &dot_rows_cpu);
-  m.impl("dot_cols", &dot_cols_cpu);
-  m.impl("ce_row_loss", &ce_row_loss_cpu);
+  m.impl("act", &ldet::ieee_op<&act_cpu>::call);
+  m.impl("act_backward", &ldet::ieee_op<&act_backward_cpu>::call);
+  m.impl("dot_rows", &ldet::ieee_op<&dot_rows_cpu>::call);
+  m.impl("dot_cols", &ldet::ieee_op<&dot_cols_cpu>::call);
+  m.impl("ce_row_loss", &ldet::ieee_op<&ce_row_loss_cpu>::call);
 }
 
 }  // namespace ldet

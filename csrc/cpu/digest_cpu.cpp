@@ -5,6 +5,7 @@
 
 #include <cstring>
 
+#include "cpu/fp_env.h"
 #include "digest_common.h"
 
 namespace {
@@ -18,7 +19,7 @@ at::Tensor digest_chunks_cpu(const at::Tensor& self) {
   int64_t* o = out.data_ptr<int64_t>();
   const int64_t nfull_words = nbytes / 8;
   // Chunks are independent, so any thread split gives the same result.
-  at::parallel_for(0, nchunks, 4, [&](int64_t begin, int64_t end) {
+  ldet::ieee_parallel_for(0, nchunks, 4, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       const int64_t w0 = c * ldet::LDET_HASH_CHUNK_WORDS;
       int64_t w1 = w0 + ldet::LDET_HASH_CHUNK_WORDS;
@@ -43,4 +44,4 @@ at::Tensor digest_chunks_cpu(const at::Tensor& self) {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(ldet, CPU, m) { m.impl("digest_chunks", &digest_chunks_cpu); }
+TORCH_LIBRARY_IMPL(ldet, CPU, m) { m.impl("digest_chunks", &ldet::ieee_op<&digest_chunks_cpu>::call); }

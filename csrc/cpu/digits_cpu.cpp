@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "cpu/fp_env.h"
 #include "op_checks.h"
 #include "uninit.h"
 
@@ -17,7 +18,7 @@ at::Tensor normalize_cpu(const at::Tensor& acc) {
   at::Tensor out = acc.contiguous().clone();
   int64_t* p = out.data_ptr<int64_t>();
   const int64_t n = out.numel() / LDET_WORDS;
-  at::parallel_for(0, n, 4096, [&](int64_t b, int64_t e) {
+  ieee_parallel_for(0, n, 4096, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) normalize(p + i * LDET_WORDS);
   });
   return out;
@@ -33,7 +34,7 @@ at::Tensor finalize_cpu(const at::Tensor& acc, at::ScalarType dtype, int64_t sca
   at::Tensor out = uninit(sizes, a.options().dtype(dtype));  // every output written
   const int64_t* p = a.data_ptr<int64_t>();
   void* o = out.data_ptr();
-  at::parallel_for(0, out.numel(), 2048, [&](int64_t b, int64_t e) {
+  ieee_parallel_for(0, out.numel(), 2048, [&](int64_t b, int64_t e) {
     int64_t tmp[LDET_WORDS];
     for (int64_t i = b; i < e; ++i) {
       for (int w = 0; w < LDET_WORDS; ++w) tmp[w] = p[i * LDET_WORDS + w];
@@ -52,7 +53,7 @@ at::Tensor to_digits_cpu(const at::Tensor& x) {
   at::Tensor out = uninit(sizes, x.options().dtype(at::kLong));  // every element's words written
   const double* src = xd.data_ptr<double>();
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, xd.numel(), 4096, [&](int64_t b, int64_t e) {
+  ieee_parallel_for(0, xd.numel(), 4096, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       int64_t* d = o + i * LDET_WORDS;
       zero(d);
@@ -79,7 +80,7 @@ at::Tensor scatter_sum_cpu(const at::Tensor& a, const at::Tensor& index, int64_t
   // is normalized after 2^20 additions (the status counters hold 2^21, longacc.h).
   constexpr int64_t kBlock = 32, kInterval = int64_t(1) << 20;
   const int64_t nblocks = (W + kBlock - 1) / kBlock;
-  at::parallel_for(0, nblocks, 1, [&](int64_t bb, int64_t be) {
+  ieee_parallel_for(0, nblocks, 1, [&](int64_t bb, int64_t be) {
     std::vector<int64_t> since(size_t(n_out), 0);
     for (int64_t blk = bb; blk < be; ++blk) {
       const int64_t c0 = blk * kBlock, c1 = std::min(W, c0 + kBlock);
@@ -103,10 +104,10 @@ at::Tensor scatter_sum_cpu(const at::Tensor& a, const at::Tensor& index, int64_t
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ldet, CPU, m) {
-  m.impl("normalize", &normalize_cpu);
-  m.impl("finalize", &finalize_cpu);
-  m.impl("to_digits", &to_digits_cpu);
-  m.impl("scatter_sum", &scatter_sum_cpu);
+  m.impl("normalize", &ldet::ieee_op<&normalize_cpu>::call);
+  m.impl("finalize", &ldet::ieee_op<&finalize_cpu>::call);
+  m.impl("to_digits", &ldet::ieee_op<&to_digits_cpu>::call);
+  m.impl("scatter_sum", &ldet::ieee_op<&scatter_sum_cpu>::call);
 }
 
 }  // namespace ldet

@@ -16,6 +16,7 @@
 
 #include <ATen/Parallel.h>
 
+#include "cpu/fp_env.h"
 #include "op_checks.h"
 #include "int_slices_host.h"
 #include "split.h"
@@ -36,7 +37,7 @@ constexpr int TN = 8;
 std::vector<int32_t> block_stats(const double* a, int64_t rows, int64_t K) {
   const int64_t nkb = (K + LDET_KBLOCK - 1) / LDET_KBLOCK;
   std::vector<int32_t> st(rows * nkb);
-  at::parallel_for(0, rows, 64, [&](int64_t b, int64_t e) {
+  ieee_parallel_for(0, rows, 64, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       for (int64_t kb = 0; kb < nkb; ++kb) {
         StatAcc s;
@@ -186,7 +187,7 @@ template <bool kFinalize>
 void run_gemm(const GemmArgs& g, void* out_f, int64_t* out_d) {
   const int64_t tiles_m = (g.M + TM - 1) / TM;
   const int64_t tiles_n = (g.N + TN - 1) / TN;
-  at::parallel_for(0, tiles_m * tiles_n, 1, [&](int64_t tb, int64_t te) {
+  ieee_parallel_for(0, tiles_m * tiles_n, 1, [&](int64_t tb, int64_t te) {
     double S[TM][TN];
     double seg_sums[TM][TN][4];  // S of each finished fp32-split segment (4 at most)
     int64_t dig[TM][TN][LDET_WORDS];
@@ -316,8 +317,8 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& w, const c10::optiona
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ldet, CPU, m) {
-  m.impl("gemm_partial", &gemm_partial_cpu);
-  m.impl("gemm", &gemm_cpu);
+  m.impl("gemm_partial", &ldet::ieee_op<&gemm_partial_cpu>::call);
+  m.impl("gemm", &ldet::ieee_op<&gemm_cpu>::call);
 }
 
 }  // namespace ldet

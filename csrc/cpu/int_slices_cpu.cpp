@@ -11,6 +11,7 @@
 #include <mutex>
 #include <string>
 
+#include "cpu/fp_env.h"
 #include "cpu/crt_vector.h"
 #include "cpu/slices_vector.h"
 #include "int_slices_host.h"
@@ -81,7 +82,7 @@ at::Tensor row_needs_cpu(const at::Tensor& a, int64_t bits, at::Tensor& summary)
   std::mutex mu;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "row_needs_cpu", [&] {
     const scalar_t* p = a.data_ptr<scalar_t>();
-    at::parallel_for(0, R, 16, [&](int64_t b, int64_t e) {
+    ieee_parallel_for(0, R, 16, [&](int64_t b, int64_t e) {
       int32_t local[kSumLen] = {};
       for (int64_t r = b; r < e; ++r) {
         // a row holding inf/NaN: its hi and lo are never read (make_slices skips it)
@@ -135,10 +136,7 @@ SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64
   const int64_t slot0 = reverse ? S - 1 : 0, step = reverse ? -Kc : Kc;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "make_slices_cpu", [&] {
     const scalar_t* p = a.data_ptr<scalar_t>();
-    at::parallel_for(0, R, 16, [&](int64_t b, int64_t e) {
-#if defined(LDET_CPU_AVX512)
-      const MxcsrDefault csr;  // the fp64 remainders round to nearest (crt_round_pd, floor_off_integers)
-#endif
+    ieee_parallel_for(0, R, 16, [&](int64_t b, int64_t e) {
       // the CRT route: a row's window integers as two exact doubles each, for crt_remainders_fp64
       std::vector<double> xhi(moduli > 0 ? K : 0), xlo(moduli > 0 ? K : 0);
       for (int64_t r = b; r < e; ++r) {
@@ -311,7 +309,6 @@ __mmask8 add_terms8(const CombineView& v, int64_t m, int64_t n1, __mmask8 go, I1
 // whose P the vector form could not prove) finished one by one as before.
 template <int NL>
 void combine_rows_crt_vec(const CombineView& v, int64_t b, int64_t e) {
-  const MxcsrDefault csr;
   const CrtVecConsts k = crt_vec_consts(v.crt);
   const bool round_here = v.fmt == kFmtF32 && !v.digits && v.wide;
   const bool unproven = crt_vector_unproven();
@@ -445,7 +442,7 @@ at::Tensor combine_cpu(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOp
                       wide, digits, x.sh.data_ptr<int32_t>(), shw_c.data_ptr<int32_t>(), residues_of(x), residues_of(w),
                       elems_of(x.a), elems_of(w.a), bias.defined() ? bias.data_ptr<double>() : nullptr, out.data_ptr(),
                       output_row_stride(out, digits)};
-  at::parallel_for(0, M, 8, [&](int64_t b, int64_t e) { combine_rows_for(v, b, e); });
+  ieee_parallel_for(0, M, 8, [&](int64_t b, int64_t e) { combine_rows_for(v, b, e); });
   return out;
 }
 
@@ -458,7 +455,7 @@ void exact_rows_cpu(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, c
   const double* bp = bias.defined() ? bias.data_ptr<double>() : nullptr;
   const int fmt = out_format(out_dtype);
   void* o = out.data_ptr();
-  at::parallel_for(0, count * per, 64, [&](int64_t b, int64_t e) {
+  ieee_parallel_for(0, count * per, 64, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const int64_t row = l[1 + t / per], other = t % per;
       const int64_t m = x_rows ? row : other, n = x_rows ? other : row;
