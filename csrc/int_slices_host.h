@@ -23,6 +23,7 @@
 
 #include "crt.h"
 #include "int_slices.h"
+#include "scratch_pool.h"
 #include "uninit.h"
 
 namespace ldet {
@@ -67,7 +68,10 @@ inline SliceOperand new_slice_operand(const at::Tensor& a, int64_t Rp, int64_t w
     // rows it leaves)
     return zeros ? at::zeros(size, a.options().dtype(t)) : uninit(size, a.options().dtype(t));
   };
-  SliceOperand so{a, make({Rp, width}, at::kChar, zero_slices), make({R}, at::kInt, zero_fill), {}, {}, {}, {}};
+  // q: kept between calls on the CPU (scratch_pool.h), whose kernel writes every byte of it
+  at::Tensor q = zero_slices ? at::zeros({Rp, width}, a.options().dtype(at::kChar))
+                             : pooled_uninit({Rp, width}, a.options().dtype(at::kChar));
+  SliceOperand so{a, q, make({R}, at::kInt, zero_fill), {}, {}, {}, {}};
   if (residues) {
     so.rcount = at::zeros({R}, a.options().dtype(at::kInt));
     // read only below their row's count
@@ -467,7 +471,8 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
   const int64_t ldx = xs.size(1), ldw = ws.size(1);
   for (int64_t n0 = 0; n0 < N; n0 += Nc) {
     const int64_t ncp = std::min(Nc, Np - n0), nv = std::min(Nc, N - n0);
-    at::Tensor C = uninit({P, Mp, ncp}, x.options().dtype(at::kInt));  // each diagonal's GEMM writes all of it
+    // each diagonal's GEMM writes all of it; kept between calls on the CPU (scratch_pool.h)
+    at::Tensor C = pooled_uninit({P, Mp, ncp}, x.options().dtype(at::kInt));
     int32_t* Cq = C.numel() ? C.data_ptr<int32_t>() : nullptr;
     if (Q > 0) {  // one int8 GEMM per modulus t: its planes at columns t * Kc, its sums at plane t
       // (one strided-batched cuBLASLt call instead ran 2.2x slower: an sm80 kernel; NOTES, session 12)

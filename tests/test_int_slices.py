@@ -92,6 +92,24 @@ def test_residues_of_x_and_w_in_the_same_column():
     assert_same_everywhere(x, w, gen.normal((16,), torch.float32, 36), "residues in one column")
 
 
+@pytest.mark.parametrize("route", ["slices_diagonals", "slices_crt"])
+def test_scratch_kept_between_calls_holds_no_stale_bytes(route):
+    # The CPU keeps a slice GEMM's planes and slices between calls (csrc/scratch_pool.h): each call
+    # must write every byte it reads. A large call fills the buffers with its data; then smaller
+    # ones reuse them: a zero row, a row left to the kernel (inf), M = 5 (rows padded to 17), K
+    # not a multiple of 16 (columns padded), fewer slices and moduli than before.
+    big_x = gen.wide_exponents((96, 300), -10, 10, torch.float32, 37)
+    big_w = gen.wide_exponents((80, 300), -10, 10, torch.float32, 38)
+    x, w = gen.normal((5, 123), torch.float32, 39), gen.normal((40, 123), torch.float32, 40)
+    x[1], w[7] = 0.0, 0.0
+    w[9, 4] = float("inf")
+    for a, b in ((big_x, big_w), (x, w), (big_x, big_w), (x * 2.0**-20, w), (x.bfloat16(), w.bfloat16())):
+        ref, got = both_paths(lambda: det_gemm(a, b), route)
+        assert_bitwise(got, ref, f"{route} after a larger call, {tuple(a.shape)} x {tuple(b.shape)}")
+        ref, got = both_paths(lambda: det_gemm_partial(a, b), route)
+        assert torch.equal(got, ref), f"{route} digits after a larger call"
+
+
 @pytest.mark.parametrize("dt", DTYPES)
 def test_residue_route_on_random_rows(dt):
     # randn rows of 700 values: a few values per row below the window the others need

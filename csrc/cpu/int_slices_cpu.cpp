@@ -196,7 +196,8 @@ SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64
       }
     });
   });
-  if (Rp > R) std::memset(o + R * width, 0, size_t((Rp - R) * width));  // padding rows
+  // padding rows: their products reach no output (the combine reads rows < R), zeros all the same
+  if (Rp > R) std::memset(o + R * width, 0, size_t((Rp - R) * width));
   if (left.defined()) {  // rows needing more than S (a guessed plan): exact_rows recomputes them
     int32_t* l = left.data_ptr<int32_t>();
     for (int64_t r = 0; r < R; ++r)
