@@ -504,24 +504,32 @@ int probe_bits() {
 
 }  // namespace
 
+#if defined(LDET_CPU_AVX512)
+constexpr bool kCpuVectorForms = true;  // csrc/cpu/*_vector.h
+#else
+constexpr bool kCpuVectorForms = false;
+#endif
+
 const SliceBackend& slice_backend_cpu() {
   static const SliceBackend be{&row_needs_cpu, &make_slices_cpu, &combine_cpu, &int8_mm_aten, &exact_rows_cpu,
                                &summary_later_cpu, probe_bits(),
-                               // 16-bit inputs: the kernel stays faster at every size measured
-                               // (512^3 bf16: 8.6 ms against 16.6 ms), so never in auto mode
-                               int64_t(1) << 15, std::numeric_limits<int64_t>::max(),
+                               // fp32 from 32^3; 16-bit inputs: with the AVX-512 forms the CRT way beats
+                               // the kernel from ~128^3 (bf16 256^3 0.63 against 1.0 ms, 512^3 3.3 against
+                               // 5.5; a tie at 128^3: NOTES, session 15); without them the kernel stayed
+                               // faster at every size measured (512^3 bf16: 8.6 ms against 16.6 ms)
+                               int64_t(1) << 15, kCpuVectorForms ? int64_t(1) << 21 : std::numeric_limits<int64_t>::max(),
                                // a residue term: ~2 ns on one core, against ~300 G int8
                                // multiply-adds a second on two (NOTES "Session 7")
                                2000.0, 0,
                                // plans from this call's summaries: nothing to gain from guesses
                                false,
-                               // the CRT route (crt.h, its fp64 vector forms): an output's reconstruction
-                               // ~150 int8 multiply-adds a modulus beyond the diagonals' combine. Fit to
-                               // both ways' times on this 2-core CPU (NOTES, session 12): fp32 CRT at
-                               // 0.71-0.78 of the diagonals for K >= 256 (taken), 0.94 at K = 64 (not
-                               // taken: a near tie); bf16 at 7 moduli for 9 pairs 0.95-1.13 (taken
-                               // only from K ~ 600)
-                               true, 150.0};
+                               // the CRT route (crt.h): an output's reconstruction in int8 multiply-adds a
+                               // modulus beyond the diagonals' combine. With the AVX-512 forms the CRT way
+                               // took 0.26-0.45 of the diagonals' time on every shape measured, fp32 and
+                               // bf16, K = 64 included (NOTES, session 15): 0, fewer GEMMs decide. The fp64
+                               // loops' fit (session 12): fp32 CRT at 0.71-0.78 of the diagonals for K >=
+                               // 256, 0.94 at K = 64; bf16 at 7 moduli for 9 pairs 0.95-1.13: 150
+                               true, kCpuVectorForms ? 0.0 : 150.0};
   return be;
 }
 

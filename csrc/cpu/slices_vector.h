@@ -1,5 +1,5 @@
 // The CPU's per-row slice statistics (row_needs) and CRT remainder planes (make_slices) for fp32 /
-// bf16 operands in AVX-512 (csrc/int_slices.h and crt.h have the scheme; int_slices_cpu.cpp the
+// bf16 / fp16 operands in AVX-512 (csrc/int_slices.h and crt.h have the scheme; int_slices_cpu.cpp the
 // scalar loops these replace where the build has AVX-512).
 //
 // Why: row_needs_cpu converted every element to fp64 and took exp_stat's 64-bit bit scans one
@@ -15,6 +15,7 @@
 
 #if defined(LDET_CPU_AVX512)
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -25,16 +26,20 @@
 namespace ldet {
 
 template <typename T>
-constexpr bool kVectorRowStats = std::is_same<T, float>::value || std::is_same<T, c10::BFloat16>::value;
+constexpr bool kVectorRowStats = std::is_same<T, float>::value || std::is_same<T, c10::BFloat16>::value ||
+                                 std::is_same<T, c10::Half>::value;
 
 // Sixteen elements of a row from p as fp32 bit patterns (zeros where `live` is clear): a bf16
-// element is the top half of the fp32 with the same value.
+// element is the top half of the fp32 with the same value; an fp16 one converts exactly
+// (vcvtph2ps: every fp16 value, subnormals and specials included, is an fp32 value).
 template <typename T>
 inline __m512i load_f32_bits16(const T* p, __mmask16 live) {
   if constexpr (std::is_same<T, float>::value) {
     return _mm512_maskz_loadu_epi32(live, p);
-  } else {
+  } else if constexpr (std::is_same<T, c10::BFloat16>::value) {
     return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p)), 16);
+  } else {
+    return _mm512_castps_si512(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, p)));
   }
 }
 

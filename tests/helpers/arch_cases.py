@@ -21,6 +21,7 @@ def operands():
     return [
         ("normal fp32 + bias", x, w, gen.normal((48,), torch.float32, 104)),
         ("normal bf16", x.bfloat16(), w.bfloat16(), None),
+        ("normal fp16 + subnormals", torch.cat([x[:32].half(), (x[32:] * 2.0**-16).half()]), w.half(), None),
         ("ties", torch.cat([ties_x, -ties_x]), torch.cat([ties_w, ties_w * 0.5]), None),
         ("subnormal ties", sub_x * 2.0**-63, sub_w * 2.0**-63, None),
         ("overflow edge", ties_x * 2.0**126, ties_w, None),
