@@ -147,9 +147,9 @@ def gemm_path(path: str) -> Iterator[None]:
             exactly still go to the kernel), ``"slices_diagonals"`` / ``"slices_crt"``
             (the slices, their products formed by one GEMM per diagonal of slice pairs, or by
             one GEMM per modulus of a residue number system (Chinese remainder theorem) where
-            the moduli cover the products; "auto" takes it on the CPU where it measured faster,
-            fp32 from K ~ 100, and on CUDA never: benchmarks/NOTES.md; :func:`last_slices_plan`
-            says which ran).
+            the moduli cover the products; "auto" takes it on the CPU wherever it needs fewer int8
+            GEMMs than the diagonals when the build has AVX-512, else for fp32 from K ~ 100,
+            and on CUDA never: benchmarks/NOTES.md; :func:`last_slices_plan` says which ran).
 
     Every path returns the same bytes (the exact sum rounded once); the switch exists so tests and
     benchmarks can compare them. Not thread-safe: it sets one process-wide route.
