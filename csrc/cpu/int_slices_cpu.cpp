@@ -64,7 +64,7 @@ bool row_stats_scalar(const T* row, int64_t K, int bits, int* hi_out, int* lo_ou
 template <typename T>
 bool row_stats(const T* row, int64_t K, int bits, int* hi, int* lo, int* hist) {
 #if defined(LDET_CPU_AVX512)
-  if constexpr (kVectorRowStats<T>) {
+  if constexpr (kVectorElems<T>) {
     int over[kSliceMax];
     if (!row_stats_vec(row, K, bits, hi, lo, over)) return false;
     for (int b = 2; b < kNeedBins; ++b) hist[b] = over[b - 2] - (b - 1 < kSliceMax ? over[b - 1] : 0);
@@ -149,7 +149,7 @@ SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64
         sho[r] = s;
         const int F = (nd[3 * r] + 3 - int(bits * S)) - nd[3 * r + 2];  // bits the residues reach below
 #if defined(LDET_CPU_AVX512)
-        if constexpr (kVectorRowStats<scalar_t>) {
+        if constexpr (kVectorElems<scalar_t>) {
           if (moduli > 0 && !scalar && bits * S - 2 <= 46) {  // window integers exact in fp64
             const int nres = crt_row_remainders_vec(p + r * K, K, s, crt, o + r * width, Kc, residues,
                                                     residues ? ri + r * kResidueCap : nullptr,

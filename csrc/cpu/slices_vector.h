@@ -25,8 +25,9 @@
 
 namespace ldet {
 
+// The element types the vector forms read (as fp32 bit patterns: load_f32_bits16).
 template <typename T>
-constexpr bool kVectorRowStats = std::is_same<T, float>::value || std::is_same<T, c10::BFloat16>::value ||
+constexpr bool kVectorElems = std::is_same<T, float>::value || std::is_same<T, c10::BFloat16>::value ||
                                  std::is_same<T, c10::Half>::value;
 
 // Sixteen elements of a row from p as fp32 bit patterns (zeros where `live` is clear): a bf16
