@@ -1,5 +1,6 @@
-// The CPU's CRT reconstruction and rounding, eight outputs at a time in AVX-512 (csrc/crt.h has
-// the scheme; csrc/cpu/int_slices_cpu.cpp calls this from its combine).
+// The CPU's CRT reconstruction and rounding, eight outputs a vector (two vectors a modulus's
+// constants) in AVX-512 (csrc/crt.h has the scheme; csrc/cpu/int_slices_cpu.cpp calls this from
+// its combine).
 //
 // Why: crt_values_fp64 plus the per-output 128-bit rounding (round_signed_int128) took ~40% of a
 // fp32 512^3 det_gemm on the 2-core CPU (perf, session 15; NOTES), more than its 11 int8 GEMMs:
@@ -23,12 +24,16 @@
 //     alike. So fp32(fp64(that) * 2^(E + shift)) (exact scaling: checked normal in fp64) is
 //     round_signed_int128(P, E, fp32): ties to even, overflow to inf, -0.0 for a negative value
 //     that rounds to zero, +0.0 for P = 0.
+//  4. With residue terms or a bias, finish_output_fast's sum: T = P 2^F plus each as an integer
+//     number of units 2^(E - F) (add_units8), then step 3 with E - F. A term off that grid sends
+//     its lane to the scalar route (which then takes the digits).
 // The conversion and step 1's rounding need round-to-nearest without flush-to-zero: every CPU op
 // runs under the IEEE default environment (csrc/cpu/fp_env.h; torch.set_flush_denormal(True)
 // sets FTZ/DAZ).
-// tests/test_crt_route.py compares these bytes with the scalar forms (LIGHTNING_DET_CRT_SCALAR=1)
-// and with the diagonals on rounding edges: ties, subnormal and overflowing outputs, |P| around
-// 2^53, 2^64 and at the moduli's bound.
+// tests/test_crt_route.py checks these bytes against the exact Python reference on rounding edges
+// (ties decided past 53 bits at normals, subnormals and the overflow edge; P = -2^66, whose low
+// word is zero) and runs the unproven lanes' scalar route (LIGHTNING_DET_CRT_VECTOR_UNPROVEN=1);
+// tests/test_int_slices.py the residue terms; tests/test_cpu_arch.py a build without AVX-512.
 #pragma once
 
 #include "cpu/avx512.h"
