@@ -3,8 +3,9 @@
 // Why: library exp/erf/tanh differ between glibc, SLEEF (PyTorch's vectorized CPU path) and
 // CUDA's libdevice, and PyTorch's CPU kernels even compute the same element differently in the
 // vectorized body and the scalar tail (position dependence; see docs/det_modules.md). Here every
-// function uses only IEEE +, -, *, / in fp64 (correctly rounded everywhere, no FMA contraction:
-// the build passes -ffp-contract=off / -fmad=false), comparisons, and exact bit manipulation.
+// function uses only IEEE +, -, *, / and explicit fma in fp64 (each correctly rounded everywhere;
+// no FMA contraction chosen by a compiler: the build passes -ffp-contract=off / -fmad=false),
+// comparisons, and exact bit manipulation.
 // Same inputs -> same fp64 bits on any CPU or GPU, independent of where the element sits.
 // The fp64 result (relative error ~1e-15 or better, ~6e-14 deep in the erfc tail) is then
 // rounded once to the output dtype, so the output is a fixed function of the input element.
@@ -82,6 +83,68 @@ LDET_HD double exp_neg_sq(double z) {
   return exp(-hi) * (1.0 - lo);
 }
 
+// fma(a, b, c): a * b + c rounded once, an explicit IEEE operation (the build's -ffp-contract=off
+// / -fmad=false only stop the compiler from fusing on its own).
+LDET_HD double fma_rn(double a, double b, double c) {
+#if defined(__CUDA_ARCH__)
+  return __fma_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
+// 1/(2n+1) rounded to nearest, n = 0..59 (Python's correctly rounded int/int division): the atanh
+// series of log1p and the quotients of erf_series.
+LDET_HD double inv_odd(int n) {
+  constexpr double c[60] = {
+      0x1.0000000000000p+0,  0x1.5555555555555p-2,  0x1.999999999999ap-3,  0x1.2492492492492p-3,
+      0x1.c71c71c71c71cp-4,  0x1.745d1745d1746p-4,  0x1.3b13b13b13b14p-4,  0x1.1111111111111p-4,
+      0x1.e1e1e1e1e1e1ep-5,  0x1.af286bca1af28p-5,  0x1.8618618618618p-5,  0x1.642c8590b2164p-5,
+      0x1.47ae147ae147bp-5,  0x1.2f684bda12f68p-5,  0x1.1a7b9611a7b96p-5,  0x1.0842108421084p-5,
+      0x1.f07c1f07c1f08p-6,  0x1.d41d41d41d41dp-6,  0x1.bacf914c1bad0p-6,  0x1.a41a41a41a41ap-6,
+      0x1.8f9c18f9c18fap-6,  0x1.7d05f417d05f4p-6,  0x1.6c16c16c16c17p-6,  0x1.5c9882b931057p-6,
+      0x1.4e5e0a72f0539p-6,  0x1.4141414141414p-6,  0x1.3521cfb2b78c1p-6,  0x1.29e4129e4129ep-6,
+      0x1.1f7047dc11f70p-6,  0x1.15b1e5f75270dp-6,  0x1.0c9714fbcda3bp-6,  0x1.0410410410410p-6,
+      0x1.f81f81f81f820p-7,  0x1.e9131abf0b767p-7,  0x1.dae6076b981dbp-7,  0x1.cd85689039b0bp-7,
+      0x1.c0e070381c0e0p-7,  0x1.b4e81b4e81b4fp-7,  0x1.a98ef606a63bep-7,  0x1.9ec8e951033d9p-7,
+      0x1.948b0fcd6e9e0p-7,  0x1.8acb90f6bf3aap-7,  0x1.8181818181818p-7,  0x1.78a4c8178a4c8p-7,
+      0x1.702e05c0b8170p-7,  0x1.6816816816817p-7,  0x1.6058160581606p-7,  0x1.58ed2308158edp-7,
+      0x1.51d07eae2f815p-7,  0x1.4afd6a052bf5bp-7,  0x1.446f86562d9fbp-7,  0x1.3e22cbce4a902p-7,
+      0x1.3813813813814p-7,  0x1.323e34a2b10bfp-7,  0x1.2c9fb4d812ca0p-7,  0x1.27350b8812735p-7,
+      0x1.21fb78121fb78p-7,  0x1.1cf06ada2811dp-7,  0x1.1811811811812p-7,  0x1.135c81135c811p-7,
+  };
+  return c[n];
+}
+
+// p / (2n+1) rounded to nearest, 1 <= n <= 59: the same bits as the IEEE division, from one multiply
+// and two FMA and no divide (an fp64 division is a long software sequence on the GPU).
+// Why it is the correctly rounded quotient, for 2^-900 <= |p| <= 2^1000 (else: the division itself).
+// Let d = 2n+1, u = ulp(p/d), y = inv_odd(n) = (1/d)(1 + e2) with |e2| <= 2^-53 and q = RN(p y):
+// |q - p/d| < 2u. r = RN(p - d q) = (p - d q)(1 + e1), |e1| <= 2^-53 (p - d q is 0 or a multiple of
+// ulp(q) >= 2^-959: normal). The last FMA rounds its exact value once, and that value
+//   q + r y = p/d + (p/d - q) ((1 + e1)(1 + e2) - 1)   lies within 2u (2^-52 + 2^-106) < 2^-50.9 u of p/d.
+// No rounding boundary is that close to p/d: p is a multiple of u (ulp(p) >= u), so for a midpoint
+// M = (2m+1) u/2 of p/d's binade |p/d - M| = |2p - d (2m+1) u| / (2d) >= u / (2d) >= u / 238 (an
+// even multiple of u minus an odd one), and likewise >= u / 476 for the binade below. So RN of that
+// value is RN(p/d). tests/test_detmath_reference.py checks the functions that use it against a
+// Python evaluation with true divisions.
+LDET_HD double div_odd(double p, int n) {
+  const double d = double(2 * n + 1);
+  const double a = p < 0 ? -p : p;
+  if (!(a >= 0x1p-900 && a <= 0x1p+1000)) return p / d;  // zero, tiny, huge, NaN
+  const double y = inv_odd(n);
+  const double q = p * y;
+  return fma_rn(fma_rn(-q, d, p), y, q);
+}
+
+// Fully unrolled loops: a table read with the loop's index then is a constant, not a per-thread
+// copy of the table in the GPU's local memory.
+#if defined(__CUDA_ARCH__)
+#define LDET_UNROLL _Pragma("unroll")
+#else
+#define LDET_UNROLL _Pragma("GCC unroll 60")
+#endif
+
 // erf(z) for 0 <= z < 3: the all-positive series  2/sqrt(pi) e^{-z^2} sum_n (2z^2)^n z / (2n+1)!!
 // (no cancellation). Stops once a term is below 2^-56 of the sum: past the peak the terms shrink
 // geometrically, so the tail is negligible (43 terms at z = 2.9, 4 at z = 0.01). The stopping
@@ -89,8 +152,9 @@ LDET_HD double exp_neg_sq(double z) {
 LDET_HD double erf_series(double z) {
   const double z2 = 2.0 * z * z;
   double t = z, s = z;
+  LDET_UNROLL
   for (int n = 1; n < 60; ++n) {
-    t = t * z2 / double(2 * n + 1);
+    t = div_odd(t * z2, n);  // == t * z2 / double(2 * n + 1), bit for bit
     s = s + t;
     if (t < s * 0x1p-56) break;
   }
@@ -158,15 +222,6 @@ LDET_HD double sech2(double x) {
 
 constexpr double kSqrt2M1 = 0x1.a827999fcef32p-2;  // sqrt(2) - 1: only chooses a branch
 constexpr double kSqrtHalf = 0x1.6a09e667f3bcdp-1;  // likewise
-
-// 1/(2n+1), n = 0..11: the atanh series of log1p (Python's correctly rounded int/int division).
-LDET_HD double inv_odd(int n) {
-  constexpr double c[12] = {
-      0x1.0000000000000p+0,  0x1.5555555555555p-2,  0x1.999999999999ap-3,  0x1.2492492492492p-3,
-      0x1.c71c71c71c71cp-4,  0x1.745d1745d1746p-4,  0x1.3b13b13b13b14p-4,  0x1.1111111111111p-4,
-      0x1.e1e1e1e1e1e1ep-5,  0x1.af286bca1af28p-5,  0x1.8618618618618p-5,  0x1.642c8590b2164p-5};
-  return c[n];
-}
 
 // log(1 + t) for t >= 0 (or NaN): the operation sequence of the eager reference
 // lightning_det/reference/log1p_ref.py, one IEEE operation at a time, so the same fp64 bits.

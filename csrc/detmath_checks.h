@@ -11,6 +11,16 @@ inline void check_act_kind(int64_t kind) {
               kind);
 }
 
+// act_fp64's arguments: float64 x, and grad (optional) of x's shape and device.
+inline void check_act_fp64_args(const at::Tensor& x, const c10::optional<at::Tensor>& grad) {
+  TORCH_CHECK(x.scalar_type() == at::kDouble, "x: expected float64, got ", x.scalar_type());
+  if (grad.has_value()) {
+    TORCH_CHECK(grad->scalar_type() == at::kDouble, "grad: expected float64, got ", grad->scalar_type());
+    TORCH_CHECK(grad->sizes() == x.sizes(), "grad: expected shape ", x.sizes(), " like x, got ", grad->sizes());
+    TORCH_CHECK(grad->device() == x.device(), "grad: expected device ", x.device(), " like x, got ", grad->device());
+  }
+}
+
 inline void check_dot_args(const at::Tensor& a, const c10::optional<at::Tensor>& b) {
   check_float_input(a, "a");
   TORCH_CHECK(a.dim() == 2, "a: expected a 2-D (R, W) tensor, got shape ", a.sizes());

@@ -48,6 +48,22 @@ at::Tensor act_backward_cpu(const at::Tensor& grad, const at::Tensor& x, int64_t
   return out;
 }
 
+at::Tensor act_fp64_cpu(const at::Tensor& x, int64_t kind, const c10::optional<at::Tensor>& grad) {
+  check_act_fp64_args(x, grad);
+  check_act_kind(kind);
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor gc = grad.has_value() ? grad->contiguous() : at::Tensor();
+  at::Tensor out = uninit(x.sizes(), xc.options());  // every element
+  const double* xs = xc.data_ptr<double>();
+  const double* gs = gc.defined() ? gc.data_ptr<double>() : nullptr;
+  double* o = out.data_ptr<double>();
+  const int k = int(kind);
+  ieee_parallel_for(0, xc.numel(), 2048, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) o[i] = gs ? gs[i] * act_derivative(xs[i], k) : act_forward(xs[i], k);
+  });
+  return out;
+}
+
 // Widened (R, W) operands: exact fp64 copies, b = nullptr meaning ones.
 struct DotOperands {
   at::Tensor a, b;
@@ -140,6 +156,7 @@ at::Tensor ce_row_loss_cpu(const at::Tensor& m, const at::Tensor& picked, const 
 TORCH_LIBRARY_IMPL(ldet, CPU, m) {
   m.impl("act", &ldet::ieee_op<&act_cpu>::call);
   m.impl("act_backward", &ldet::ieee_op<&act_backward_cpu>::call);
+  m.impl("act_fp64", &ldet::ieee_op<&act_fp64_cpu>::call);
   m.impl("dot_rows", &ldet::ieee_op<&dot_rows_cpu>::call);
   m.impl("dot_cols", &ldet::ieee_op<&dot_cols_cpu>::call);
   m.impl("ce_row_loss", &ldet::ieee_op<&ce_row_loss_cpu>::call);

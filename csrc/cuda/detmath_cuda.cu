@@ -72,6 +72,28 @@ at::Tensor act_launch(const at::Tensor& x, const at::Tensor* grad, int64_t kind)
 
 at::Tensor act_cuda(const at::Tensor& x, int64_t kind) { return act_launch(x, nullptr, kind); }
 
+__global__ void act_fp64_kernel(const double* __restrict__ x, const double* __restrict__ g, int64_t n, int kind,
+                                double* __restrict__ out) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = g ? g[i] * act_derivative(x[i], kind) : act_forward(x[i], kind);
+}
+
+at::Tensor act_fp64_cuda(const at::Tensor& x, int64_t kind, const c10::optional<at::Tensor>& grad) {
+  check_act_fp64_args(x, grad);
+  check_act_kind(kind);
+  c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor gc = grad.has_value() ? grad->contiguous() : at::Tensor();
+  at::Tensor out = uninit(x.sizes(), xc.options());  // one thread per element
+  const int64_t n = xc.numel();
+  if (n) {
+    act_fp64_kernel<<<blocks_for(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        xc.data_ptr<double>(), gc.defined() ? gc.data_ptr<double>() : nullptr, n, int(kind), out.data_ptr<double>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return out;
+}
+
 at::Tensor act_backward_cuda(const at::Tensor& grad, const at::Tensor& x, int64_t kind) {
   return act_launch(x, &grad, kind);
 }
@@ -226,6 +248,7 @@ at::Tensor ce_row_loss_cuda(const at::Tensor& m, const at::Tensor& picked, const
 TORCH_LIBRARY_IMPL(ldet, CUDA, m) {
   m.impl("act", &act_cuda);
   m.impl("act_backward", &act_backward_cuda);
+  m.impl("act_fp64", &act_fp64_cuda);
   m.impl("dot_rows", &dot_rows_cuda);
   m.impl("dot_cols", &dot_cols_cuda);
   m.impl("ce_row_loss", &ce_row_loss_cuda);

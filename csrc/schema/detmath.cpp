@@ -9,6 +9,10 @@ TORCH_LIBRARY_FRAGMENT(ldet, m) {
   m.def("act(Tensor x, int kind) -> Tensor");
   // grad * act'(x), the product formed in fp64 and rounded once to x's dtype.
   m.def("act_backward(Tensor grad, Tensor x, int kind) -> Tensor");
+  // The fp64 values the two ops above round: act(x) (grad None) or grad * act'(x), for float64
+  // x and grad, unrounded. For audits and for the tests that hold detmath.h's operation sequence
+  // to an eager reference (fp32 outputs rarely show a last-bit change of the fp64 value).
+  m.def("act_fp64(Tensor x, int kind, Tensor? grad=None) -> Tensor");
   // a, b: (R, W) float32/bfloat16/float16 (b optional = ones). Canonical LongAcc (R, 19) of
   // the exact sums sum_j a[r, j] * b[r, j] (every product is exact in fp64).
   m.def("dot_rows(Tensor a, Tensor? b) -> Tensor");

@@ -1,9 +1,10 @@
 """Functional forms of the Det activations and the exact row/column sums behind the Det norms.
 
 Every activation here is computed elementwise in fp64 by ``csrc/detmath.h`` (only IEEE
-+, -, *, / and exact bit manipulation, no library transcendental, no FMA) and rounded once to
-the input's dtype. So an element's result depends only on its own value: not on its position
-in the tensor, the number of rows beside it, the thread count, or the device (CPU == CUDA).
++, -, *, / and fma, and exact bit manipulation, no library transcendental, no compiler-chosen FMA
+contraction) and rounded once to the input's dtype. So an element's result depends only on its
+own value: not on its position in the tensor, the number of rows beside it, the thread count, or
+the device (CPU == CUDA).
 PyTorch's own CPU kernels do not promise that (docs/det_modules.md).
 
 Shapes: any; dtypes float32, bfloat16 or float16; output has the input's shape and dtype.
@@ -102,6 +103,10 @@ def _register() -> None:
 
     @torch.library.register_fake(lib + "act_backward")
     def _(grad, x, kind):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake(lib + "act_fp64")
+    def _(x, kind, grad=None):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake(lib + "dot_rows")
