@@ -4,8 +4,8 @@
 // on every call: ~85 us of host time per GEMM (det_ddp step profile, NOTES "Session 8"), more
 // than the GEMM itself takes on the GPU for the training step's shapes, and a slice GEMM makes
 // 9-27 of them. Here the descriptors and the heuristic's first choice are kept per (shape,
-// strides, alignment, device); a call then costs one cublasLtMatmul. The algorithm: the fastest
-// of the heuristic's first choices, timed once per plan (tune, below).
+// strides, alignment, device); a call then costs one cublasLtMatmul. The algorithm: the
+// heuristic's first choice, or on request the fastest of its first eight, timed once (tune, below).
 #include "cuda/int8_gemm_lt.h"
 
 #include <ATen/cuda/CUDAContextLight.h>
@@ -104,16 +104,17 @@ cublasStatus_t run(const LtPlan& p, const cublasLtMatmulAlgo_t* algo, const Int8
                         g.c, p.c, algo, nullptr, 0, stream);
 }
 
-// Why: the heuristic's first choice need not be its fastest for our strided column views (a
-// strided-batched form of the CRT route's GEMMs got an sm80 kernel at ~2.2x the time of separate
-// sm90 launches: NOTES, session 12). So each new plan times its candidates once, on the call's own
-// operands (each writes the same exact int32 sums: the choice cannot change a byte), and keeps
-// the fastest: one host synchronization per shape and process. Not while the stream is being
-// captured into a graph; LIGHTNING_DET_INT8_GEMM_TUNE=0 keeps the heuristic's first choice.
+// Opt-in (LIGHTNING_DET_INT8_GEMM_TUNE=1): each new plan times its candidates once, on the call's
+// own operands (each writes the same exact int32 sums: the choice cannot change a byte), and keeps
+// the fastest; one host synchronization per shape and process, and not while the stream is being
+// captured into a graph. Why not by default: a warm-up and two timed runs per candidate, once,
+// chose cutlass sm80 kernels for some of the det_ddp step's shapes that ran slower in the steps
+// than the heuristic's first choice (sm90): step 24.7 ms tuned against 21.4 ms untuned in one
+// call (NOTES, session 16); it never measured faster (DetLinear: within noise, session 12).
 void tune(LtPlan& p, const Int8Gemm& g, cudaStream_t stream) {
   static const bool enabled = [] {
     const char* env = std::getenv("LIGHTNING_DET_INT8_GEMM_TUNE");
-    return env == nullptr || std::string(env) != "0";
+    return env != nullptr && std::string(env) == "1";
   }();
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (!enabled || p.n_candidates < 2 || cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
