@@ -109,8 +109,10 @@ cublasStatus_t run(const LtPlan& p, const cublasLtMatmulAlgo_t* algo, const Int8
 // the fastest; one host synchronization per shape and process, and not while the stream is being
 // captured into a graph. Why not by default: a warm-up and two timed runs per candidate, once,
 // chose cutlass sm80 kernels for some of the det_ddp step's shapes that ran slower in the steps
-// than the heuristic's first choice (sm90): step 24.7 ms tuned against 21.4 ms untuned in one
-// call (NOTES, session 16); it never measured faster (DetLinear: within noise, session 12).
+// than the heuristic's first choice (sm90): the step's int8 GEMMs 8.46 ms of GPU time tuned,
+// 7.51 ms untuned; det_gemm bf16 4096^3 2-4% slower tuned. One shape gained (DetLinear fp32
+// 1024 -> 4096, ~2%). A guess at why, not measured: the timing reruns the same operands, which
+// then sit in L2, unlike a step's (NOTES, session 16).
 void tune(LtPlan& p, const Int8Gemm& g, cudaStream_t stream) {
   static const bool enabled = [] {
     const char* env = std::getenv("LIGHTNING_DET_INT8_GEMM_TUNE");
