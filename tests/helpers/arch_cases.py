@@ -41,5 +41,11 @@ def results() -> dict:
     out["row sums"] = det_finalize(det_row_sums(a))
     out["col sums"] = det_finalize(det_col_sums(a))
     out["gelu"] = det_gelu(a * 4)
+    # The erf-GELU's fp64 values before rounding (the AVX-512 form, csrc/cpu/detmath_vector.h, where
+    # the build has it): both branches of norm_cdf in one vector of eight, -0, NaN, the far tails.
+    v = torch.cat([torch.linspace(-9.0, 9.0, 2001, dtype=torch.float64), (a * 3).double().flatten(),
+                   torch.tensor([0.0, -0.0, float("nan"), 60.0, -60.0, 4.2426, -4.2427], dtype=torch.float64)])
+    out["gelu fp64"] = torch.ops.ldet.act_fp64(v, 0)
+    out["gelu grad fp64"] = torch.ops.ldet.act_fp64(v, 0, torch.linspace(-2.0, 2.0, v.numel(), dtype=torch.float64))
     out["to_digits"] = to_digits(a * 2.0**-120)
     return out
