@@ -1,6 +1,7 @@
-// CPU implementations of act / act_backward / dot_rows / dot_cols / ce_row_loss (schemas:
-// csrc/schema/detmath.cpp). Each element's arithmetic is the scalar detmath.h code, the same
-// whatever its position or the thread split, and the same as the CUDA kernels.
+// CPU implementations of act / act_backward / act_fp64 / dot_rows / dot_cols / ce_row_loss
+// (schemas: csrc/schema/detmath.cpp). Each element's arithmetic is the scalar detmath.h code (for
+// the erf-GELU on AVX-512 builds its vector form, cpu/detmath_vector.h, whose lanes give the same
+// bits), the same whatever its position or the thread split, and the same as the CUDA kernels.
 #include <torch/library.h>
 
 #include <algorithm>
