@@ -1,10 +1,12 @@
 """The erf-GELU kernels against an eager fp64 evaluation that divides (lightning_det/reference/gelu_ref.py).
 
 The kernels' erf series replaces each division by a small odd integer with a multiply and two FMA
-(csrc/detmath.h ``div_odd``); the proof there says the bits are the division's. These tests hold
-the forward and backward kernels' bytes to the reference on every term count of the series, both
-sides of each branch, and specials, on the CPU and on CUDA. The control shows the inputs are
-sharp: the uncorrected quotient (the multiply alone) gives other bytes on them.
+(csrc/detmath.h ``div_odd``; on AVX-512 CPUs eight lanes at a time, csrc/cpu/detmath_vector.h);
+the proof there says the bits are the division's. These tests hold the kernels' fp64 values
+(``ldet::act_fp64``: the fp32 outputs almost never show a last-bit change) and their fp32 bytes
+to the reference on every term count of the series, both sides of each branch, and specials, on
+the CPU and on CUDA. The control shows the inputs are sharp: the uncorrected quotient (the
+multiply alone) gives other fp64 values on them.
 """
 from __future__ import annotations
 
