@@ -4,8 +4,10 @@
     python benchmarks/activations.py --device cuda    # GPU, 4096 x 4096 (the det_ddp step's MLP activation)
 
 For each activation (det_gelu erf and tanh, det_silu, det_tanh): the forward (ldet::act) and the
-backward (ldet::act_backward) against F.gelu / F.silu / torch.tanh and their autograd backward in
-the input's dtype, in microseconds per call and as a ratio. Inputs: torch.randn * 1.5 (the step
+backward (ldet::act_backward, the op alone) against F.gelu / F.silu / torch.tanh and their backward
+through torch.autograd.grad (so the autograd engine's overhead per call, tens of microseconds, is
+in the baseline's backward and not in ours), in the input's dtype, in microseconds per call and as
+a ratio. Inputs: torch.randn * 1.5 (the step
 model's pre-activations are of that size), fp32. Writes benchmarks/results/<device>-activations.json.
 """
 from __future__ import annotations
