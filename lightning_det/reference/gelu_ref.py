@@ -13,11 +13,13 @@ import math
 
 import torch
 
+from .log1p_ref import _LN2_HI, _LN2_LO  # log(2) split as hi + lo, the same constants
+
 __all__ = ["norm_cdf_fp64", "gelu_erf_fp64", "gelu_erf_grad_fp64"]
 
 # The kernels' constants (csrc/detmath.h), as exact hex literals.
 _H = float.fromhex
-_LN2_HI, _LN2_LO, _INV_LN2 = _H("0x1.62e42feep-1"), _H("0x1.a39ef35793c76p-33"), _H("0x1.71547652b82fep+0")
+_INV_LN2 = _H("0x1.71547652b82fep+0")
 _INV_SQRT_PI, _TWO_OVER_SQRT_PI = _H("0x1.20dd750429b6dp-1"), _H("0x1.20dd750429b6dp+0")
 _INV_SQRT2, _INV_SQRT_2PI = _H("0x1.6a09e667f3bccp-1"), _H("0x1.9884533d43651p-2")
 # 1/n!: Python's int/int division is correctly rounded (the kernels' table holds the same values).
