@@ -291,6 +291,22 @@ def test_embedding_forward_and_exact_grad(dtype):
     assert_bitwise(emb.weight.grad, _emb_exact_grad(idx, gy, 11, dtype), "dweight vs exact")
 
 
+@pytest.mark.parametrize("V,positions", [(40, 12), (12, 40)])
+def test_embedding_grad_both_routes_exact(V, positions):
+    # V > positions: only the occurring rows (torch.unique); V <= positions: every row's digits,
+    # no host synchronization. Both must give the exact sums, +0.0 for rows that never occur
+    # (assert_bitwise compares bytes: -0.0 would fail) and a zero padding row.
+    torch.manual_seed(3)
+    emb = DetEmbedding(V, 9, padding_idx=5)
+    idx = torch.randint(0, min(V, 12), (positions,))  # rows >= 12 never occur
+    idx[:3] = 5
+    gy = gen.wide_exponents((positions, 9), -25, 25, seed=4)
+    emb(idx).backward(gy)
+    ref = _emb_exact_grad(idx, gy, V, torch.float32)
+    ref[5] = 0
+    assert_bitwise(emb.weight.grad, ref, f"V={V}, positions={positions}")
+
+
 def test_embedding_padding_and_rejected_options():
     emb = DetEmbedding(7, 5, padding_idx=2)
     idx = torch.tensor([[2, 1, 2, 0]])
@@ -355,15 +371,16 @@ def test_cuda_matches_cpu(dtype, width):
     _cpu_cuda(lambda: _norm_pair("rms", width, dtype)[0], x, gy)
     torch.manual_seed(0)
     idx = torch.randint(0, 9, (37,))
-    w = gen.normal((9, width), dtype, 3)
+    for V in (9, 50):  # every row's digits (V <= 37 positions), only the occurring rows (V > 37)
+        w = gen.normal((V, width), dtype, 3)
 
-    def emb():
-        e = DetEmbedding(9, width, dtype=dtype)
-        with torch.no_grad():
-            e.weight.copy_(w)
-        return e
+        def emb():
+            e = DetEmbedding(V, width, dtype=dtype)
+            with torch.no_grad():
+                e.weight.copy_(w)
+            return e
 
-    _cpu_cuda(emb, idx, gy, grad_x=False)
+        _cpu_cuda(emb, idx, gy, grad_x=False)
 
 
 class _Fn(nn.Module):

@@ -40,11 +40,20 @@ class _DetEmbeddingFn(torch.autograd.Function):
         pad = module.padding_idx
 
         def rounded() -> torch.Tensor:
-            # Only the rows that occur: a (V, D, 19) temporary would be 152x the weight's size.
-            uniq, inv = torch.unique(idx1, return_inverse=True)
-            rows = det_finalize(scatter_sum_digits(gy2, inv, uniq.shape[0]), out_dtype)
-            gw = torch.zeros(weight.shape, dtype=out_dtype, device=weight.device)
-            gw[uniq] = rows
+            n_rows = weight.shape[0]
+            if n_rows <= idx1.shape[0]:
+                # Every vocabulary row's digits: a (V, D, 19) temporary no larger than the one the
+                # occurring rows could need (at most min(V, positions) of them), and no host
+                # synchronization (torch.unique's output size is data-dependent: on a GPU it waits
+                # for the whole backward queued so far). Rows that never occur sum to +0.0.
+                gw = det_finalize(scatter_sum_digits(gy2, idx1.long(), n_rows), out_dtype)
+            else:
+                # Fewer positions than vocabulary rows: only the rows that occur (a (V, D, 19)
+                # temporary would be 152x the weight's size), at the cost of that synchronization.
+                uniq, inv = torch.unique(idx1, return_inverse=True)
+                rows = det_finalize(scatter_sum_digits(gy2, inv, uniq.shape[0]), out_dtype)
+                gw = torch.zeros(weight.shape, dtype=out_dtype, device=weight.device)
+                gw[uniq] = rows
             if pad is not None:
                 gw[pad] = 0  # PyTorch semantics: the padding row gets no gradient
             return gw
