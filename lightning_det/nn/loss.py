@@ -37,6 +37,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from ..ops import det_combine, det_finalize, det_normalize, to_digits
+from ..ops.deferred_checks import check_now_or_later, deferring
 from ..ops.exact_scalar import mean_of_acc, pow2_scale_exp, reciprocal
 from ..ops.trust import trusted, trusted_fn
 from .functional import _ops, det_exp, det_row_sums
@@ -207,24 +208,47 @@ def _check(input, target, ignore_index, reduction) -> None:
         raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
 
 
-def cross_entropy_rows(input: torch.Tensor, target: torch.Tensor, ignore_index: int = -100):
-    """Per-row fp32 losses and the row mask: ``(l (N,) float32, valid (N,) bool, n_valid int)``.
+def cross_entropy_rows(input: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+                       need_count: bool = True):
+    """Per-row fp32 losses and the row mask: ``(l (N,) float32, valid (N,) bool, n_valid)``.
 
     The building block of det_cross_entropy and of det_ddp's global reduction; arguments must
-    already pass ``cross_entropy_unsupported`` (None) and are checked here. One host sync (the
-    target range check and the count).
+    already pass ``cross_entropy_unsupported`` (None) and are checked here. The target range
+    check and the count take one host sync. With ``need_count=False`` inside
+    :func:`lightning_det.ops.deferred_checks.deferring_checks` (det_ddp's training step), the
+    check is recorded for later instead (no sync), ``n_valid`` is None and rows whose target is
+    out of range get loss NaN (and gradient 0) until the owner resolves the check and raises.
     """
     _check(input, target, ignore_index, "none")
     with trusted():
         n, c = input.shape
         valid = target != ignore_index
         bad = valid & ((target < 0) | (target >= c))
+        if not need_count and deferring() is not None:
+            lo, hi = torch.aminmax(torch.where(bad, target, torch.zeros_like(target)))
+            check_now_or_later(torch.stack([bad.sum(), lo, hi]), _target_verdict(c, ignore_index))
+            rows = _CrossEntropyRows.apply(input, target, valid & ~bad)
+            return rows.masked_fill(bad, math.nan), valid, None
         n_bad, n_valid = (int(v) for v in torch.stack([bad.sum(), valid.sum()]).tolist())
         if n_bad:
             first = int(target[bad][0])
             raise ValueError(f"target: {n_bad} value(s) outside [0, {c}) (and not ignore_index={ignore_index}), "
                              f"e.g. {first}")
     return _CrossEntropyRows.apply(input, target, valid), valid, n_valid
+
+
+def _target_verdict(c: int, ignore_index: int):
+    """The deferred target check's verdict on [count of bad targets, min, max of them (0 elsewhere)]."""
+
+    def verdict(stats):
+        n_bad, lo, hi = stats
+        if not n_bad:
+            return None
+        return ValueError(f"target: {n_bad} value(s) outside [0, {c}) (and not ignore_index={ignore_index}), "
+                          f"e.g. {hi if hi >= c else lo} (found when det_ddp resolved the step's checks, "
+                          "before its optimizer step)")
+
+    return verdict
 
 
 def det_cross_entropy(
@@ -256,7 +280,7 @@ def det_cross_entropy(
     if reason is not None:
         raise ValueError(reason)
     _check(input, target, ignore_index, reduction)
-    rows, valid, n_valid = cross_entropy_rows(input, target, ignore_index)
+    rows, valid, n_valid = cross_entropy_rows(input, target, ignore_index, need_count=reduction != "none")
     if reduction == "none":
         with trusted():
             return rows.to(input.dtype)

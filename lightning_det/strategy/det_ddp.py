@@ -14,6 +14,9 @@ How it differs from Lightning's DDPStrategy:
   slice of every global batch;
 - ``F.scaled_dot_product_attention`` and ``F.cross_entropy`` in the model run through the exact,
   device-invariant det versions (``det_function_mode`` around training and validation steps);
+- value checks of a training step's inputs (cross-entropy targets) are resolved after its
+  backward is queued and before its gradients are reduced and applied, not with a host
+  synchronization in the forward (``lightning_det.ops.deferred_checks``);
 - gradient-norm clipping is exact (``clip_grad_norm_exact_``); ``self.log(..., sync_dist=True)``
   and ``reduce`` are exact reductions;
 - strict environment (deterministic algorithms, TF32 off, cuBLAS workspace, NCCL pinned);
@@ -32,6 +35,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from ..nn.attention import det_function_mode
+from ..ops.deferred_checks import DeferredChecks, deferring_checks
 from ..nn.grad_digits import eager_rounding, set_grad_digits
 from ..optim.clip import clip_grad_norm_exact_
 from ..parallel.audit import OpAudit
@@ -79,6 +83,7 @@ class DeterministicStrategy(DDPStrategy):
         self.det_unverified_reasons: list = []
         self.det_last_sync: dict = {}
         self._audited = False
+        self._checks = DeferredChecks()  # the current step's deferred input checks
 
     # ---- set-up --------------------------------------------------------------------------
     def setup(self, trainer) -> None:
@@ -164,6 +169,9 @@ class DeterministicStrategy(DDPStrategy):
                         self.det_unverified_reasons.append("ops outside the verified set (see warning)")
                 else:
                     result = closure()
+            # the forward's deferred input checks (det_cross_entropy's targets), before anything
+            # reduces or applies the gradients they fed: raises on bad input, nothing changed yet
+            self._checks.resolve()
             self.sync_gradients(optimizer)
             return result
 
@@ -191,8 +199,17 @@ class DeterministicStrategy(DDPStrategy):
         return det_function_mode(strict=self.strict, loss_reduce=global_loss_reduce)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._function_mode():
-            return super().training_step(*args, **kwargs)
+        # value checks of the step's inputs wait for optimizer_step instead of synchronizing the
+        # host in the forward (lightning_det.ops.deferred_checks)
+        try:
+            with self._function_mode(), deferring_checks(self._checks):
+                out = super().training_step(*args, **kwargs)
+        except BaseException:
+            self._checks.discard()
+            raise
+        if not self.lightning_module.automatic_optimization:
+            self._checks.resolve()  # manual optimization: the step's own optimizer_step calls resolved theirs
+        return out
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._function_mode():
