@@ -5,7 +5,10 @@ each gradient reduction moves per gradient element.
     python benchmarks/ddp_step.py --accelerator gpu --devices 1
 
 Each strategy runs as its own subprocess (Lightning's launcher starts the other ranks); rank 0
-reports the median step time after warm-up and its peak memory (CUDA: max_memory_allocated;
+reports the median step time after warm-up (--timing per-step, a synchronization around each
+step) or the mean over the steps after warm-up between two synchronizations (--timing window:
+steady-state training, where the host may queue a step while the GPU finishes the last one), and
+its peak memory (CUDA: max_memory_allocated;
 CPU: peak RSS of the process). Writes benchmarks/results/<device>-ddp_step.json.
 """
 from __future__ import annotations
@@ -26,6 +29,14 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
+
+
+WARM_STEPS = 3  # steps before the timed ones (plans, caches, cuBLASLt descriptors)
+
+
+def _sync(args) -> None:
+    if torch.cuda.is_available() and args.accelerator == "gpu":
+        torch.cuda.synchronize()
 
 
 def child(args):
@@ -77,11 +88,18 @@ def child(args):
                     [torch.profiler.ProfilerActivity.CUDA] if args.accelerator == "gpu" else []),
                     with_stack=args.profile_stacks)
                 self.prof.__enter__()
-            if torch.cuda.is_available() and args.accelerator == "gpu":
-                torch.cuda.synchronize()
+            if args.timing == "window":  # one synchronization before the window's first step
+                if trainer.global_step == WARM_STEPS:
+                    _sync(args)
+                    self.w0 = time.perf_counter()
+                return
+            _sync(args)
             self.t0 = time.perf_counter()
 
         def on_train_end(self, trainer, pl_module):
+            if args.timing == "window":  # ... and one after its last: the GPU may run behind the host
+                _sync(args)
+                pl_module.times = [(time.perf_counter() - self.w0) / (trainer.global_step - WARM_STEPS)]
             if self.prof is not None:
                 self.prof.__exit__(None, None, None)
                 avg = self.prof.key_averages()
@@ -97,10 +115,16 @@ def child(args):
                                                                  max_name_column_width=40).splitlines()
 
         def on_train_batch_end(self, trainer, pl_module, *a):
-            if torch.cuda.is_available() and args.accelerator == "gpu":
-                torch.cuda.synchronize()
+            if args.timing == "window":
+                return
+            _sync(args)
             pl_module.times.append(time.perf_counter() - self.t0)
 
+    if args.no_fill:  # an experiment, not a product setting: PyTorch's NaN fill of new
+        # allocations under use_deterministic_algorithms (the strict environment turns it on)
+        import torch.utils.deterministic
+
+        torch.utils.deterministic.fill_uninitialized_memory = False
     g = torch.Generator().manual_seed(1)
     n = args.batch * (args.steps + 2)
     x = torch.randint(0, 512, (n,), generator=g)
@@ -119,7 +143,7 @@ def child(args):
     with slices_guess(args.slices_guess), gemm_path(args.gemm_path):
         trainer.fit(model, dl)
     if trainer.global_rank == 0:
-        warm = model.times[3:] or model.times
+        warm = model.times if args.timing == "window" else (model.times[WARM_STEPS:] or model.times)
         if args.accelerator == "gpu":
             peak = torch.cuda.max_memory_allocated()
         else:
@@ -132,7 +156,7 @@ def child(args):
             "step_ms": 1e3 * statistics.median(warm), "peak_bytes": peak,
             "allreduce_bytes_per_grad_element": bytes_per_elem,
             "allreduce_bytes_per_step": sync.get("bytes", 4 * params), "slices_guess": args.slices_guess,
-            "gemm_path": args.gemm_path,
+            "gemm_path": args.gemm_path, "timing": args.timing, "fill_uninitialized_memory": not args.no_fill,
         }
         if det:
             row["eager_rounded_params"] = sync.get("eager", 0)
@@ -170,6 +194,13 @@ def main(argv=None):
     p.add_argument("--gemm-path", default="auto",
                    help="exact GEMM route for the det strategies (lightning_det.ops.gemm_path), e.g. slices_crt")
     p.add_argument("--out", default="", help="(internal) the child's row file")
+    p.add_argument("--no-fill", action="store_true",
+                   help="experiment: torch.utils.deterministic.fill_uninitialized_memory off in the child")
+    p.add_argument("--timing", default="per-step", choices=["per-step", "window"],
+                   help="per-step: a synchronization at each step's start and end, the median step; "
+                        "window: one before the first timed step and one after the last, their mean "
+                        "(steady-state training, where the host may queue the next step while the GPU "
+                        "finishes the last)")
     p.add_argument("--results", default=None, help="results path (default: benchmarks/results/<device>-ddp_step.json)")
     args = p.parse_args(argv)
     if args.child:
@@ -190,7 +221,8 @@ def main(argv=None):
                "--batch", str(args.batch), "--steps", str(args.steps)]
         cmd += (["--breakdown"] if args.breakdown else []) + (["--profile"] if args.profile else [])
         cmd += ["--profile-stacks"] if args.profile_stacks else []
-        cmd += ["--slices-guess", args.slices_guess, "--gemm-path", args.gemm_path]
+        cmd += ["--slices-guess", args.slices_guess, "--gemm-path", args.gemm_path, "--timing", args.timing]
+        cmd += ["--no-fill"] if args.no_fill else []
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
         subprocess.run(cmd, check=True, env=env, timeout=1800)
         rows.append(json.loads(Path(out).read_text()))
@@ -206,7 +238,7 @@ def main(argv=None):
     device = "cuda" if args.accelerator == "gpu" else "cpu"
     path = write("ddp_step", device, rows, extra={"summary": summary, "world_size": args.devices,
                                                  "slices_guess": args.slices_guess,
-                                                 "gemm_path": args.gemm_path,
+                                                 "gemm_path": args.gemm_path, "timing": args.timing,
                                                  "model": f"emb-LN-MLP width {args.width}", "global_batch": args.batch},
                  path=args.results)
     print(f"wrote {path}")

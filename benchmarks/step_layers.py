@@ -54,6 +54,9 @@ def main(argv=None):
     p.add_argument("--nccl", action="store_true", help="set up a one-rank process group before timing")
     p.add_argument("--no-gc", action="store_true", help="gc.disable() for the whole run")
     p.add_argument("--phases", action="store_true", help="host time between the step's phases, level 3 (and 4)")
+    p.add_argument("--cprofile", action="store_true",
+                   help="cProfile of 4 level-3 steps with guessed plans: host time by Python function and op")
+    p.add_argument("--levels", default="0,1,2,3", help="which of levels 0-3 to time (comma-separated)")
     a = p.parse_args(argv)
     import torch.nn.functional as F
 
@@ -136,7 +139,7 @@ def main(argv=None):
 
         gc.disable()
     for mode in ("default", "cached"):
-        for level in NAMES:
+        for level in (int(v) for v in a.levels.split(",") if v):
             time_level(mode, level)
     if 3 in a.profile:
         with profiled("level 3", cuda=dev == "cuda"):
@@ -147,9 +150,25 @@ def main(argv=None):
         if a.after:  # the same loop as level 3, now in a process Lightning has set up
             time_level("default", 3, "level 3 again, after the Lightning run")
     if a.phases:
-        phases.reset()
-        time_level("default", 3, "level 3, phases timed")
-        print(phases.line("level 3"))
+        for mode in ("default", "cached"):
+            phases.reset()
+            time_level(mode, 3, "level 3, phases timed")
+            print(phases.line(f"level 3, {mode}"))
+    if a.cprofile:  # where the host's time goes when no plan read waits for the GPU
+        import cProfile
+        import pstats
+
+        with slices_guess("cached"):
+            for i in range(4):
+                step(i, 3)
+            prof = cProfile.Profile()
+            prof.enable()
+            for i in range(4):
+                step(i, 3)
+            prof.disable()
+        print("--- cProfile, 4 level-3 steps, guessed plans (times in s over the 4 steps) ---")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(45)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
 
 
 class Phases:
