@@ -122,9 +122,9 @@ def child(args):
 
     if args.no_fill:  # an experiment, not a product setting: PyTorch's NaN fill of new
         # allocations under use_deterministic_algorithms (the strict environment turns it on)
-        import torch.utils.deterministic
+        from torch.utils import deterministic  # (not `import torch.utils...`: torch would turn local)
 
-        torch.utils.deterministic.fill_uninitialized_memory = False
+        deterministic.fill_uninitialized_memory = False
     g = torch.Generator().manual_seed(1)
     n = args.batch * (args.steps + 2)
     x = torch.randint(0, 512, (n,), generator=g)
