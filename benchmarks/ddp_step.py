@@ -97,9 +97,6 @@ def child(args):
             self.t0 = time.perf_counter()
 
         def on_train_end(self, trainer, pl_module):
-            if args.timing == "window":  # ... and one after its last: the GPU may run behind the host
-                _sync(args)
-                pl_module.times = [(time.perf_counter() - self.w0) / (trainer.global_step - WARM_STEPS)]
             if self.prof is not None:
                 self.prof.__exit__(None, None, None)
                 avg = self.prof.key_averages()
@@ -115,7 +112,11 @@ def child(args):
                                                                  max_name_column_width=40).splitlines()
 
         def on_train_batch_end(self, trainer, pl_module, *a):
-            if args.timing == "window":
+            if args.timing == "window":  # ... and one after its last (global_step counts it already;
+                # on_train_end would add Lightning's end-of-fit work to the window)
+                if trainer.global_step == args.steps:
+                    _sync(args)
+                    pl_module.times = [(time.perf_counter() - self.w0) / (args.steps - WARM_STEPS)]
                 return
             _sync(args)
             pl_module.times.append(time.perf_counter() - self.t0)
