@@ -121,6 +121,16 @@ def clean_env(**extra) -> dict:
     return env
 
 
+def env_with_mpi() -> dict:
+    """clean_env plus the OpenMPI/PMIx settings of the environment: Lightning imports mpi4py when
+    it is installed (the GPU machine's image has it), and MPI_Init fails in a child without them
+    (benchmarks/NOTES.md, GPU run 2)."""
+    env = clean_env()
+    env.update({k: v for k, v in os.environ.items()
+                if k.startswith(("OMPI_", "PMIX_", "OPAL_", "PRTE_")) or k == "LD_LIBRARY_PATH"})
+    return env
+
+
 def run_cmd(args: list, timeout: float = 180, check: bool = True, **env) -> subprocess.CompletedProcess:
     proc = subprocess.run([str(a) for a in args], cwd=REPO, env=clean_env(**env), capture_output=True, text=True,
                           timeout=timeout)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import clean_env, cuda
+from conftest import cuda, env_with_mpi
 
 from lightning_det.nn.loss import cross_entropy_rows
 from lightning_det.ops.deferred_checks import DeferredChecks, deferring, deferring_checks
@@ -51,7 +51,7 @@ def test_deferred_target_check_same_rows_nan_for_bad_and_raises_on_resolve(devic
 def _bad_target_run(accelerator, tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, str(HELPER), "--accelerator", accelerator, "--out", str(out)],
-                          env=clean_env(), capture_output=True, text=True, timeout=600)
+                          env=env_with_mpi(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 

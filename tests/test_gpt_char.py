@@ -18,6 +18,7 @@ from conftest import cuda
 
 from lightning_det.digest.compare import diff_runs, diff_step, load_run
 from tests.test_det_ddp import clean_env
+from conftest import env_with_mpi
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "gpt_char.py"
@@ -145,16 +146,6 @@ def test_data_split_is_fixed():
     assert torch.equal(x[1:], y[:-1]) and x.shape == (16,)
 
 
-def _env_with_mpi() -> dict:
-    """clean_env plus the OpenMPI/PMIx settings of the environment: Lightning imports mpi4py when
-    it is installed (the GPU machine's image has it), and MPI_Init fails in a child without them
-    (benchmarks/NOTES.md, GPU run 2)."""
-    env = clean_env()
-    env.update({k: v for k, v in os.environ.items()
-                if k.startswith(("OMPI_", "PMIX_", "OPAL_", "PRTE_")) or k == "LD_LIBRARY_PATH"})
-    return env
-
-
 @cuda
 @pytest.mark.parametrize("precision,optimizer", [("32-true", "adamwsr"), ("bf16-true", "auto")])
 def test_cuda_step_digests_equal_cpu(tmp_path, precision, optimizer):
@@ -167,7 +158,7 @@ def test_cuda_step_digests_equal_cpu(tmp_path, precision, optimizer):
         out = tmp_path / accel
         cmd = [sys.executable, str(EXAMPLE), "--accelerator", accel, "--precision", precision, "--optimizer", optimizer,
                "--digests", str(out), *TINY[2:], "--steps", "3"]
-        proc = subprocess.run(cmd, env=_env_with_mpi(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(cmd, env=env_with_mpi(), cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, f"{accel} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         recs[accel] = load_run(out).steps[0]
     assert sorted(recs["cpu"]) == sorted(recs["gpu"]) == [1, 2, 3]
