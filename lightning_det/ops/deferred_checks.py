@@ -73,8 +73,8 @@ def deferring() -> Optional[DeferredChecks]:
 
 @contextlib.contextmanager
 def deferring_checks(checks: DeferredChecks) -> Iterator[DeferredChecks]:
-    """Value checks made inside the block go to ``checks`` (CUDA tensors only); the caller
-    must call ``checks.resolve()`` before it relies on the checked inputs having been valid."""
+    """Value checks made inside the block (on this thread) go to ``checks``; the caller must call
+    ``checks.resolve()`` before it relies on the checked inputs having been valid."""
     stack = getattr(_local, "stack", None)
     if stack is None:
         stack = _local.stack = []
