@@ -75,16 +75,11 @@ def run(mode: str, width: int, batch: int, steps: int = 6) -> dict:
     trainer = L.Trainer(accelerator="gpu", devices=1, strategy="det_ddp", max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[Watch()])
-    old = warnings.showwarning
-    warnings.showwarning = show
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = show
-            with slices_guess(mode):
-                trainer.fit(det_step_module(width), dl)
-    finally:
-        warnings.showwarning = old
+    with warnings.catch_warnings():  # restores the filters and showwarning on exit
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        with slices_guess(mode):
+            trainer.fit(det_step_module(width), dl)
     return {"mode": mode, "syncs_in_step_4": sum(sites.values()), "sites": dict(sites.most_common()),
             "step_ms": [round(1e3 * t, 2) for t in times]}
 
