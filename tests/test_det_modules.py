@@ -211,15 +211,19 @@ def test_norm_rows_are_batch_invariant(kind, width):
 
 
 def test_rstd_matches_python_sqrt():
-    # the per-row fp64 sqrt/divide must be correctly rounded whether vectorized or not
-    from lightning_det.nn.norm import _rstd
+    # the per-row fp64 sqrt/divide must be correctly rounded whether vectorized or not: an RMSNorm
+    # of width 1 has var = fp32(x * x), so the op's rstd output is fp32(1 / sqrt(fp64(var + eps)))
     import math
 
-    v = gen.normal((1001,), torch.float32, 9).abs() + 1e-3
-    got = _rstd(v, 1e-5)
-    eps32 = float(torch.tensor(1e-5, dtype=torch.float32))
-    for i in range(v.shape[0]):
-        t = float(torch.tensor(float(v[i])) + torch.tensor(eps32))
+    from lightning_det import _build
+
+    _build.load()
+    x = gen.normal((1001,), torch.float32, 9).abs() + 1e-3
+    _, _, got = torch.ops.ldet.norm_forward(x.reshape(-1, 1), None, None, 1e-5, True)
+    eps32 = torch.tensor(1e-5, dtype=torch.float32)
+    var = (x.double() * x.double()).float()  # the exact product rounded once
+    for i in range(x.shape[0]):
+        t = float(var[i] + eps32)
         assert got[i].item() == float(torch.tensor(1.0 / math.sqrt(t), dtype=torch.float64).float()), i
 
 

@@ -8,10 +8,14 @@ The arithmetic, per row of width W (all in fp32; bf16/fp16 inputs are widened ex
     rstd = fp32( 1 / sqrt_fp64(fp64(var + eps)) )
     xhat = d * rstd ;  y = xhat * weight + bias  (then rounded to x's dtype)
 
-Row sums come from ``det_row_sums`` (the long accumulator), so they do not depend on the width's
-vector/tail split or on other rows; everything else is an elementwise IEEE +, -, *, / or sqrt,
-which are correctly rounded on every CPU and GPU. We never use ``torch.rsqrt`` (approximate on
-CUDA), nor ``tensor / python_scalar`` (CUDA turns it into a multiply by the reciprocal).
+Row sums are exact (the long accumulator), so they do not depend on the width's vector/tail
+split or on other rows; everything else is an elementwise IEEE +, -, *, / or sqrt, which are
+correctly rounded on every CPU and GPU (never an approximate rsqrt, never a multiply by a
+reciprocal in place of a division). Forward and input gradient are one compiled op each
+(``ldet::norm_forward`` / ``ldet::norm_backward``, csrc/norm.h): the same steps as eager PyTorch
+ops around ``det_row_sums`` were ~24 ops a forward and ~18 a backward, each with its dispatch,
+allocation and launch, in a det_ddp step bound by its host time.
+``lightning_det.reference.norm_ref`` is the plain-Python reference the tests hold them to.
 
 Backward, with g = gy * weight, m1 = round(sum g) / W, m2 = round(sum g * xhat) / W:
     dx = (g - m1 - xhat * m2) * rstd        (RMSNorm: dx = (g - xhat * m2) * rstd)
@@ -21,16 +25,16 @@ Backward, with g = gy * weight, m1 = round(sum g) / W, m2 = round(sum g * xhat) 
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 from torch import nn
 
 from ._swap import swap_class
 
+from .. import _build
 from ..ops import det_finalize
 from ..ops.trust import trusted_fn
-from .functional import det_col_sums, det_row_sums
+from .functional import det_col_sums
 from .grad_digits import contribute_grad, digit_mode, note_forward_use
 
 __all__ = ["DetLayerNorm", "DetRMSNorm"]
@@ -38,16 +42,9 @@ __all__ = ["DetLayerNorm", "DetRMSNorm"]
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _row_mean(a: torch.Tensor, b: Optional[torch.Tensor], width: torch.Tensor) -> torch.Tensor:
-    """round(exact sum_j a*b) / W as an (R, 1) fp32 column; ``width`` is an fp32 tensor."""
-    return (det_finalize(det_row_sums(a, b)) / width).unsqueeze(1)
-
-
-def _rstd(var: torch.Tensor, eps: float) -> torch.Tensor:
-    t = (var + torch.full_like(var, eps)).double()
-    # fp64 sqrt and division are correctly rounded everywhere (vectorized or not), then one
-    # rounding to fp32: a fixed function of var.
-    return (torch.ones_like(t) / torch.sqrt(t)).float()
+def _ops():
+    _build.load()
+    return torch.ops.ldet
 
 
 def _grad_or_digits(module, param, acc, digits: bool):
@@ -62,39 +59,32 @@ class _DetNormFn(torch.autograd.Function):
     @staticmethod
     @trusted_fn
     def forward(ctx, x, weight, bias, module, width, eps, rms):
-        x2 = x.reshape(-1, width).float()
-        wt = torch.full((x2.shape[0],), float(width), dtype=torch.float32, device=x.device)
-        d = x2 if rms else x2 - _row_mean(x2, None, wt)
-        rstd = _rstd(_row_mean(d, d, wt), eps)
-        xhat = d * rstd
-        y = xhat
-        if weight is not None:
-            y = y * weight.reshape(1, width).float()
-        if bias is not None:
-            y = y + bias.reshape(1, width).float()
+        w = None if weight is None else weight.reshape(width).float()
+        b = None if bias is None else bias.reshape(width).float()
+        y, xhat, rstd = _ops().norm_forward(x.reshape(-1, width), w, b, eps, rms)
         ctx.save_for_backward(xhat, rstd, weight, bias)
         ctx.module, ctx.width, ctx.rms, ctx.x_shape, ctx.x_dtype = module, width, rms, x.shape, x.dtype
-        return y.to(x.dtype).reshape(x.shape)
+        return y.reshape(x.shape)
 
     @staticmethod
     @trusted_fn
     def backward(ctx, gy):
         xhat, rstd, weight, bias = ctx.saved_tensors
         width = ctx.width
-        gy2 = gy.reshape(-1, width).float()
+        gy2 = gy.reshape(-1, width)
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            wt = torch.full((gy2.shape[0],), float(width), dtype=torch.float32, device=gy.device)
-            g = gy2 * weight.reshape(1, width).float() if weight is not None else gy2
-            t = xhat * _row_mean(g, xhat, wt)
-            if not ctx.rms:
-                g = g - _row_mean(g, None, wt)
-            gx = ((g - t) * rstd).to(ctx.x_dtype).reshape(ctx.x_shape)
+            w = None if weight is None else weight.reshape(width).float()
+            gx = _ops().norm_backward(gy2, xhat, rstd, w, ctx.rms, ctx.x_dtype).reshape(ctx.x_shape)
         digits = digit_mode(ctx.module)
-        if weight is not None and ctx.needs_input_grad[1]:
+        want_w = weight is not None and ctx.needs_input_grad[1]
+        want_b = bias is not None and ctx.needs_input_grad[2]
+        if want_w or want_b:
+            gy2 = gy2.float()  # the column sums' operands, as the forward's xhat: fp32
+        if want_w:
             gw = _grad_or_digits(ctx.module, weight, det_col_sums(gy2, xhat), digits)
             gw = None if gw is None else gw.reshape(weight.shape)
-        if bias is not None and ctx.needs_input_grad[2]:
+        if want_b:
             gb = _grad_or_digits(ctx.module, bias, det_col_sums(gy2), digits)
             gb = None if gb is None else gb.reshape(bias.shape)
         return gx, gw, gb, None, None, None, None
@@ -161,3 +151,17 @@ class DetRMSNorm(nn.RMSNorm):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", exact=True"
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("ldet::norm_forward")
+    def _(x, weight, bias, eps, rms):
+        return (torch.empty_like(x, memory_format=torch.contiguous_format),
+                x.new_empty(x.shape, dtype=torch.float32), x.new_empty((x.shape[0],), dtype=torch.float32))
+
+    @torch.library.register_fake("ldet::norm_backward")
+    def _(gy, xhat, rstd, weight, rms, out_dtype):
+        return gy.new_empty(gy.shape, dtype=out_dtype)
+
+
+_build.on_load(_register_fakes)
