@@ -219,6 +219,10 @@ class DetMultiheadSelfAttention(nn.Module):
 
 
 class _DetFunctionMode(TorchFunctionMode):
+    # set aside inside trusted regions (lightning_det.ops.trust): the det ops' internals call
+    # nothing this mode redirects
+    ldet_redirect_mode = True
+
     def __init__(self, strict: bool, loss_reduce: Optional[Callable]) -> None:
         super().__init__()
         self.strict, self.loss_reduce = strict, loss_reduce

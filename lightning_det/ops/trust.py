@@ -8,17 +8,38 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
+import torch
+
 __all__ = ["trusted", "in_trusted"]
 
 _TRUSTED = contextvars.ContextVar("ldet_trusted", default=0)
 
 
+def _redirect_mode_on_top():
+    """The torch function mode on top of the stack if it is a det redirect mode, else None."""
+    n = torch._C._len_torch_function_stack()
+    if n == 0:
+        return None
+    mode = torch._C._get_function_stack_at(n - 1)
+    return mode if getattr(mode, "ldet_redirect_mode", False) else None
+
+
 @contextlib.contextmanager
 def trusted():
-    """Marks a region whose ops belong to an exact det op or module."""
+    """Marks a region whose ops belong to an exact det op or module.
+
+    A det redirect mode (``det_function_mode``, marked ``ldet_redirect_mode``) on top of the torch
+    function mode stack is set aside inside the region: a det op's internals call nothing it
+    redirects, and every torch call through a Python mode costs host time (~300 calls a det_ddp
+    step, which is bound by its host time: benchmarks/NOTES.md, session 18). Other modes stay.
+    """
     tok = _TRUSTED.set(_TRUSTED.get() + 1)
     try:
-        yield
+        if _redirect_mode_on_top() is None:
+            yield
+        else:
+            with torch.overrides._pop_mode_temporarily():
+                yield
     finally:
         _TRUSTED.reset(tok)
 
