@@ -52,6 +52,14 @@ def det_step_module(width: int):
     return DetStepNet()
 
 
+def det_strategy(slices_guess: str = "default"):
+    """DeterministicStrategy whose steps plan their GEMMs as the benchmarks' --slices-guess says:
+    "default" is the strategy's own "auto" (cached plans on CUDA), "sync" / "cached" force one."""
+    from lightning_det.strategy import DeterministicStrategy
+
+    return DeterministicStrategy(gemm_plans={"default": "auto"}.get(slices_guess, slices_guess))
+
+
 def device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name(0)

@@ -74,10 +74,13 @@ def child(args):
     torch.set_num_threads(1 if args.accelerator == "cpu" else 4)
     det = args.strategy.startswith("det_ddp")
     strategy = args.strategy
-    if args.strategy == "det_ddp_no_eager":  # the same strategy holding every gradient as digits
+    if det:
         from lightning_det.strategy import DeterministicStrategy
 
-        strategy = DeterministicStrategy(eager_rounding=False)
+        # the strategy plans its steps' GEMMs itself (gemm_plans; "default" = its "auto");
+        # det_ddp_no_eager: the same strategy holding every gradient as digits
+        plans = {"default": "auto"}.get(args.slices_guess, args.slices_guess)
+        strategy = DeterministicStrategy(eager_rounding=args.strategy != "det_ddp_no_eager", gemm_plans=plans)
     breakdown = args.breakdown and args.accelerator == "gpu"
     if breakdown:  # before the model exists, so the replayed total matches the allocator's
         torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
@@ -163,10 +166,10 @@ def child(args):
                         enable_model_summary=False, callbacks=[timer])
     if args.accelerator == "gpu":
         torch.cuda.reset_peak_memory_stats()
-    from lightning_det.ops import gemm_path, slices_guess
+    from lightning_det.ops import gemm_path
 
-    # "sync": each slice GEMM waits for its own plan; gemm_path: e.g. the slices' CRT way, forced
-    with slices_guess(args.slices_guess), gemm_path(args.gemm_path):
+    # gemm_path: e.g. the slices' CRT way, forced
+    with gemm_path(args.gemm_path):
         trainer.fit(model, dl)
     if trainer.global_rank == 0:
         warm = model.times if args.timing == "window" else (model.times[WARM_STEPS:] or model.times)
@@ -216,7 +219,8 @@ def main(argv=None):
     p.add_argument("--breakdown", action="store_true",
                    help="CUDA: record allocations and report what is alive at each run's peak (slower steps)")
     p.add_argument("--slices-guess", default="default", choices=["default", "sync", "cached"],
-                   help="how slice GEMMs plan (lightning_det.ops.slices_guess)")
+                   help="how the det strategies' slice GEMMs plan: DeterministicStrategy(gemm_plans=...), "
+                        "default meaning its 'auto' (cached on CUDA)")
     p.add_argument("--gemm-path", default="auto",
                    help="exact GEMM route for the det strategies (lightning_det.ops.gemm_path), e.g. slices_crt")
     p.add_argument("--out", default="", help="(internal) the child's row file")

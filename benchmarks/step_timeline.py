@@ -32,8 +32,7 @@ MIN_GAP_US = 20
 def run_profiled(width: int, batch: int, guess: str):
     import lightning as L
 
-    from _common import det_step_module
-    from lightning_det.ops import slices_guess
+    from _common import det_step_module, det_strategy
 
     class Profile(L.Callback):
         prof = None
@@ -56,11 +55,10 @@ def run_profiled(width: int, batch: int, guess: str):
     x = torch.randint(0, 512, (batch * (PROFILED[1] + 3),), generator=g)
     dl = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, (x * 7 + 3) % 512), batch_size=batch)
     cb = Profile()
-    trainer = L.Trainer(accelerator="gpu", devices=1, strategy="det_ddp", max_steps=PROFILED[1] + 1, logger=False,
+    trainer = L.Trainer(accelerator="gpu", devices=1, strategy=det_strategy(guess), max_steps=PROFILED[1] + 1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[cb])
-    with slices_guess(guess):
-        trainer.fit(det_step_module(width), dl)
+    trainer.fit(det_step_module(width), dl)
     return cb.done.events()
 
 

@@ -6,8 +6,9 @@ Lightning step, with the Python line that asked for it.
 A host synchronization drains the GPU's queue; the host then has to launch the next kernels while
 the GPU idles, so a step with many of them is host-bound even when its GPU work is far shorter
 than its wall time (NOTES "Session 17"). This runs ddp_step.py's model (width 1024, batch 4096)
-under Trainer(strategy="det_ddp") on one GPU, once per slice-plan mode ("default": each GEMM
-reads its plan; "cached": guessed plans, lightning_det.ops.slices_guess), and during step 4 turns
+under DeterministicStrategy on one GPU, once per slice-plan mode (its gemm_plans: "sync", each
+GEMM reads its plan; "cached", guessed plans, lightning_det.ops.slices_guess; "default", the
+strategy's "auto": cached on CUDA since session 18), and during step 4 turns
 on torch.cuda.set_sync_debug_mode("warn"): PyTorch then warns at each synchronizing call it
 makes (copies to the host, .item(), .tolist(), torch.unique, nonzero, ...), and each warning's
 stack is recorded. A raw cudaMemcpy in an extension would not be seen; ours go through PyTorch.
@@ -45,8 +46,7 @@ def run(mode: str, width: int, batch: int, steps: int = 6) -> dict:
     import lightning as L
 
     import lightning_det  # noqa: F401  (registers strategy="det_ddp")
-    from _common import det_step_module
-    from lightning_det.ops import slices_guess
+    from _common import det_step_module, det_strategy
 
     sites: collections.Counter = collections.Counter()
     times: list[float] = []
@@ -72,14 +72,13 @@ def run(mode: str, width: int, batch: int, steps: int = 6) -> dict:
     x = torch.randint(0, 512, (batch * (steps + 2),), generator=g)
     ds = torch.utils.data.TensorDataset(x, (x * 7 + 3) % 512)
     dl = torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=True)
-    trainer = L.Trainer(accelerator="gpu", devices=1, strategy="det_ddp", max_steps=steps, logger=False,
+    trainer = L.Trainer(accelerator="gpu", devices=1, strategy=det_strategy(mode), max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[Watch()])
     with warnings.catch_warnings():  # restores the filters and showwarning on exit
         warnings.simplefilter("always")
         warnings.showwarning = show
-        with slices_guess(mode):
-            trainer.fit(det_step_module(width), dl)
+        trainer.fit(det_step_module(width), dl)
     return {"mode": mode, "syncs_in_step_4": sum(sites.values()), "sites": dict(sites.most_common()),
             "step_ms": [round(1e3 * t, 2) for t in times]}
 

@@ -98,9 +98,13 @@ class Recorder(L.Callback):
         self.last = trainer.global_step
         loss = trainer.callback_metrics["train_loss"].float().item()
         if trainer.global_rank == 0:
+            from lightning_det.ops import last_slices_plan
+
             with open(self.path, "a") as f:
                 f.write(json.dumps({"step": trainer.global_step, "loss_hex": struct.pack("<f", loss).hex(),
-                                    "weights_sha256": weights_digest(pl_module)}) + "\n")
+                                    "weights_sha256": weights_digest(pl_module),
+                                    # the step's last slice GEMM took a guessed plan (counts not read)
+                                    "plan_guessed": last_slices_plan()["residues_x"] == -1}) + "\n")
 
 
 def main():
@@ -115,6 +119,8 @@ def main():
     p.add_argument("--clip", type=float, default=0.0)
     p.add_argument("--no-transform", dest="transform", action="store_false")
     p.add_argument("--non-strict", dest="strict", action="store_false")
+    p.add_argument("--gemm-plans", default="auto", help="DeterministicStrategy(gemm_plans=...)")
+    p.add_argument("--gemm-path", default="auto", help="lightning_det.ops.gemm_path for the whole run")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -130,12 +136,15 @@ def main():
     if args.strategy == "det_ddp":
         from lightning_det.strategy import DeterministicStrategy
 
-        strategy = DeterministicStrategy(strict=args.strict)
+        strategy = DeterministicStrategy(strict=args.strict, gemm_plans=args.gemm_plans)
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
                         accumulate_grad_batches=args.accum, gradient_clip_val=args.clip or None,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[Recorder(args.out)], deterministic=False)
-    trainer.fit(Module(args), dl)
+    from lightning_det.ops import gemm_path
+
+    with gemm_path(args.gemm_path):
+        trainer.fit(Module(args), dl)
 
 
 if __name__ == "__main__":

@@ -20,13 +20,16 @@ MODEL = os.environ.get("LDET_DDP_TEST_MODEL", "mlp")
 
 
 @lru_cache(maxsize=None)
-def run(devices=1, accum=1, strategy="det_ddp", loss="global", clip=0.0, transform=True, model=MODEL, steps=4,
-        strict=True):
+def run_rows(devices=1, accum=1, strategy="det_ddp", loss="global", clip=0.0, transform=True, model=MODEL, steps=4,
+             strict=True, gemm_plans="auto", gemm_path="auto"):
+    """The harness's rows (dicts), one per optimizer step."""
     out = Path(os.environ.get("PYTEST_TMP", "/tmp")) / (
-        f"ldet-ddp-{model}-{devices}-{accum}-{strategy}-{loss}-{clip}-{transform}-{steps}-{os.getpid()}.jsonl")
+        f"ldet-ddp-{model}-{devices}-{accum}-{strategy}-{loss}-{clip}-{transform}-{steps}-{gemm_plans}-{gemm_path}-"
+        f"{os.getpid()}.jsonl")
     out.unlink(missing_ok=True)
     cmd = [sys.executable, str(HARNESS), "--devices", str(devices), "--accum", str(accum), "--strategy", strategy,
-           "--loss", loss, "--clip", str(clip), "--model", model, "--steps", str(steps), "--out", str(out)]
+           "--loss", loss, "--clip", str(clip), "--model", model, "--steps", str(steps), "--out", str(out),
+           "--gemm-plans", gemm_plans, "--gemm-path", gemm_path]
     if not transform:
         cmd.append("--no-transform")
     if not strict:
@@ -36,7 +39,12 @@ def run(devices=1, accum=1, strategy="det_ddp", loss="global", clip=0.0, transfo
         raise RuntimeError(f"run failed ({' '.join(cmd[2:])}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1)), rows
-    return tuple((r["weights_sha256"], r["loss_hex"]) for r in rows)
+    return tuple(rows)
+
+
+def run(*args, **kw):
+    """(weights SHA-256, loss bytes) of every optimizer step."""
+    return tuple((r["weights_sha256"], r["loss_hex"]) for r in run_rows(*args, **kw))
 
 
 def weights(rows):
@@ -90,3 +98,26 @@ def test_user_sdpa_is_routed_to_exact_attention():
     # The model calls F.scaled_dot_product_attention itself: det_ddp sends it to the exact kernel
     # (else the strict audit would reject aten._scaled_dot_product_*), and world size 2 matches 1.
     assert weights(run(2, model="attn")) == weights(run(1, model="attn"))
+
+
+def test_cached_gemm_plans_give_the_same_bytes_and_really_guess():
+    # every GEMM on the integer slices (forced: the harness model's GEMMs are below the auto
+    # threshold), planned from each call's summaries or from cached guesses
+    sync = run_rows(gemm_plans="sync", gemm_path="slices", accum=2)
+    cached = run_rows(gemm_plans="cached", gemm_path="slices", accum=2)
+    assert [r["weights_sha256"] for r in cached] == [r["weights_sha256"] for r in sync]
+    assert [r["loss_hex"] for r in cached] == [r["loss_hex"] for r in sync]
+    assert not any(r["plan_guessed"] for r in sync)
+    assert all(r["plan_guessed"] for r in cached[1:]), cached  # from the second step every key was seen
+    # "auto" on the CPU plans from the summaries
+    assert not any(r["plan_guessed"] for r in run_rows(gemm_path="slices", accum=2))
+
+
+def test_gemm_plans_argument_is_checked():
+    from lightning_det.strategy import DeterministicStrategy
+    from lightning_det.strategy.det_ddp import gemm_plans_mode
+
+    with pytest.raises(ValueError, match="gemm_plans"):
+        DeterministicStrategy(gemm_plans="often")
+    assert gemm_plans_mode("auto", "cuda") == "cached" and gemm_plans_mode("auto", "cpu") == "default"
+    assert gemm_plans_mode("sync", "cuda") == "sync"

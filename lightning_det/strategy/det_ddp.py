@@ -35,6 +35,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from ..nn.attention import det_function_mode
+from ..ops import slices_guess
 from ..ops.deferred_checks import DeferredChecks, deferring_checks
 from ..nn.grad_digits import eager_rounding, set_grad_digits
 from ..optim.clip import clip_grad_norm_exact_
@@ -47,6 +48,17 @@ from ..parallel.reduce import exact_reduce
 log = logging.getLogger(__name__)
 
 __all__ = ["DeterministicStrategy"]
+
+_GEMM_PLANS = ("auto", "cached", "sync")
+
+
+def gemm_plans_mode(gemm_plans: str, device_type: str) -> str:
+    """The :func:`lightning_det.ops.slices_guess` mode of a strategy's ``gemm_plans`` on a device:
+    "auto" is "cached" on CUDA (no host synchronization per GEMM in the step) and the
+    device's default elsewhere (on the CPU a synchronization costs nothing)."""
+    if gemm_plans == "auto":
+        return "cached" if device_type == "cuda" else "default"
+    return gemm_plans
 
 
 class DeterministicStrategy(DDPStrategy):
@@ -64,14 +76,24 @@ class DeterministicStrategy(DDPStrategy):
             the step (default True; the same bytes either way, see
             :mod:`lightning_det.nn.grad_digits`). Turn it off for a second backward through a
             retained graph, which would otherwise raise.
+        gemm_plans: how the exact GEMMs plan their integer slices inside training steps (forward
+            and backward): ``"auto"`` (default) takes cached plans on CUDA and plans from each
+            call's summaries on the CPU; ``"cached"`` a GEMM repeating an earlier call's shapes
+            takes the largest of that key's recent plans and reads its own summary later, so the
+            step has no host synchronization and the host queues it ahead of the GPU (on the
+            H200 the steady-state det_ddp step took 15.0 instead of 21.8 ms: benchmarks/NOTES.md,
+            session 18); ``"sync"`` every GEMM waits for its own summaries. The bytes are the same
+            under all three (:func:`lightning_det.ops.slices_guess`).
     """
 
     strategy_name = "det_ddp"
 
     def __init__(
         self, *args: Any, strict: bool = True, seed: int = 0, audit: bool = True, eager_rounding: bool = True,
-        **kwargs: Any,
+        gemm_plans: str = "auto", **kwargs: Any,
     ) -> None:
+        if gemm_plans not in _GEMM_PLANS:
+            raise ValueError(f"gemm_plans: expected one of {sorted(_GEMM_PLANS)}, got {gemm_plans!r}")
         # Before anything touches CUDA or NCCL (the Trainer builds strategies first).
         self.det_environment = apply_strict_environment()
         super().__init__(*args, **kwargs)
@@ -79,6 +101,7 @@ class DeterministicStrategy(DDPStrategy):
         self.seed = seed
         self.audit = audit
         self.eager_rounding = bool(eager_rounding)
+        self.gemm_plans = gemm_plans
         self.det_verified: Optional[bool] = None
         self.det_unverified_reasons: list = []
         self.det_last_sync: dict = {}
@@ -202,7 +225,7 @@ class DeterministicStrategy(DDPStrategy):
         # value checks of the step's inputs wait for optimizer_step instead of synchronizing the
         # host in the forward (lightning_det.ops.deferred_checks)
         try:
-            with self._function_mode(), deferring_checks(self._checks):
+            with self._function_mode(), deferring_checks(self._checks), self._gemm_plans():
                 out = super().training_step(*args, **kwargs)
         except BaseException:
             self._checks.discard()
@@ -210,6 +233,13 @@ class DeterministicStrategy(DDPStrategy):
         if not self.lightning_module.automatic_optimization:
             self._checks.resolve()  # manual optimization: the step's own optimizer_step calls resolved theirs
         return out
+
+    def backward(self, closure_loss, optimizer, *args: Any, **kwargs: Any):
+        with self._gemm_plans():  # every micro-batch's backward, manual_backward too
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _gemm_plans(self):
+        return slices_guess(gemm_plans_mode(self.gemm_plans, self.root_device.type))
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._function_mode():
