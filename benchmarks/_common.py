@@ -52,6 +52,36 @@ def det_step_module(width: int):
     return DetStepNet()
 
 
+class BatchFetch(torch.utils.data.Dataset):
+    """Token/target tensors fetched a batch at a time (``__getitems__``): one index per batch
+    instead of a Python collate of every sample; any sampler (det_ddp's included) still picks
+    which samples."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+    def __getitems__(self, idx):
+        i = torch.as_tensor(idx)
+        return self.x[i], self.y[i]
+
+
+def _as_batch(b):
+    return b
+
+
+def token_loader(x: torch.Tensor, y: torch.Tensor, batch: int, shuffle: bool = False):
+    """A DataLoader of (tokens, targets) batches fetched with one index each (BatchFetch): the
+    default per-sample collate of 4096 tokens took ~60 ms of host time a batch, which a timing
+    window over several steps would count."""
+    return torch.utils.data.DataLoader(BatchFetch(x, y), batch_size=batch, shuffle=shuffle, collate_fn=_as_batch)
+
+
 def det_strategy(slices_guess: str = "default"):
     """DeterministicStrategy whose steps plan their GEMMs as the benchmarks' --slices-guess says:
     "default" is the strategy's own "auto" (cached plans on CUDA), "sync" / "cached" force one."""

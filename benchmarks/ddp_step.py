@@ -39,36 +39,13 @@ def _sync(args) -> None:
         torch.cuda.synchronize()
 
 
-class BatchFetch(torch.utils.data.Dataset):
-    """Token/target tensors fetched a batch at a time (``__getitems__``): one index per batch
-    instead of a Python collate of every sample; any sampler (det_ddp's included) still picks
-    which samples."""
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor):
-        self.x, self.y = x, y
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
-
-    def __getitems__(self, idx):
-        i = torch.as_tensor(idx)
-        return self.x[i], self.y[i]
-
-
-def _as_batch(b):
-    return b
-
-
 def child(args):
     import lightning as L
     import torch.nn.functional as F
 
     import lightning_det  # noqa: F401
     from lightning_det import global_mean
-    from _common import step_model
+    from _common import step_model, token_loader
     from lightning_det.nn import det_transform
 
     torch.set_num_threads(1 if args.accelerator == "cpu" else 4)
@@ -157,8 +134,7 @@ def child(args):
     x = torch.randint(0, 512, (n,), generator=g)
     # batched fetch: the default per-sample collate of 4096 tokens took ~60 ms of host time a
     # batch, which --timing window counted (it made both strategies read 60-90 ms a step)
-    dl = torch.utils.data.DataLoader(BatchFetch(x, (x * 7 + 3) % 512), batch_size=args.batch // args.devices,
-                                     shuffle=True, collate_fn=_as_batch)
+    dl = token_loader(x, (x * 7 + 3) % 512, args.batch // args.devices, shuffle=True)
     model = Net()
     timer = Timer()
     trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy,

@@ -32,7 +32,7 @@ MIN_GAP_US = 20
 def run_profiled(width: int, batch: int, guess: str):
     import lightning as L
 
-    from _common import det_step_module, det_strategy
+    from _common import det_step_module, det_strategy, token_loader
 
     class Profile(L.Callback):
         prof = None
@@ -53,7 +53,7 @@ def run_profiled(width: int, batch: int, guess: str):
 
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 512, (batch * (PROFILED[1] + 3),), generator=g)
-    dl = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, (x * 7 + 3) % 512), batch_size=batch)
+    dl = token_loader(x, (x * 7 + 3) % 512, batch)
     cb = Profile()
     trainer = L.Trainer(accelerator="gpu", devices=1, strategy=det_strategy(guess), max_steps=PROFILED[1] + 1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
