@@ -312,4 +312,12 @@ LDET_HD float round_double_fmt(double v, int fmt) {
   return (r == 0.0f && v < 0) ? -0.0f : r;
 }
 
+// An fp32 value rounded once to `fmt` as PyTorch's .to(dtype) rounds it: round_double_fmt, and a
+// zero keeps its sign (round_double_fmt gives -0.0 a plus sign). The fused norm and cross-entropy
+// ops store through this, so their bytes are those of the eager ops they replaced.
+LDET_HD float round_float_fmt(float v, int fmt) {
+  if (v == 0.0f) return v;  // +-0.0: exact in every format
+  return round_double_fmt(double(v), fmt);
+}
+
 }  // namespace ldet

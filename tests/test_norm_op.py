@@ -325,3 +325,17 @@ def test_cuda_rows_are_batch_invariant(rms):
                 assert_bitwise(got, ref[sl], f"cuda {name}, rows {sl}")
             gxk = _backward(gy[sl].clone(), full[1][sl].clone(), full[2][sl].clone(), w, rms, torch.bfloat16, "cuda")
             assert_bitwise(gxk, gx[sl], f"cuda gx, rows {sl}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_signed_zeros_round_as_torch_does(dtype):
+    # width 1: d = x - mean = +0, xhat = +0, y = +0 * (negative weight) = -0.0, which PyTorch's
+    # .to(dtype) keeps; a rounding through the digits alone would give +0.0
+    x = gen.normal((6, 1), torch.float32, 70).to(dtype)
+    w = -(gen.normal((1,), torch.float32, 71).abs() + 0.5)
+    y, xhat, rstd = _forward(x, w, None, 1e-5, False)
+    ry, _, _ = norm_forward_ref(x, w, None, 1e-5, False)
+    assert torch.signbit(ry.float()).all(), "the reference's zeros are negative"
+    assert_bitwise(y, ry, "y")
+    gy = -torch.ones(6, 1, dtype=dtype)
+    assert_bitwise(_backward(gy, xhat, rstd, w, False, dtype), norm_backward_ref(gy, xhat, rstd, w, False, dtype), "gx")

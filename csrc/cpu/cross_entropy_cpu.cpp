@@ -72,7 +72,7 @@ at::Tensor ce_backward_cpu(const at::Tensor& e, const at::Tensor& s, const at::T
     for (int64_t r = rb; r < re; ++r)
       for (int64_t j = 0; j < C; ++j) {
         const float v = vp[r] ? ce_grad(ep[r * C + j], sp[r], j == tp[r], gp[r]) : 0.0f;
-        store_fmt(op, r * C + j, round_double_fmt(double(v), fmt), fmt);
+        store_fmt(op, r * C + j, round_float_fmt(v, fmt), fmt);
       }
   });
   return dx;

@@ -67,7 +67,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_forward_cpu(const at::Tensor
       for (int64_t j = 0; j < W; ++j) {
         const float xh = d(j) * rs;
         hp[r * W + j] = xh;
-        store_fmt(yp, r * W + j, round_double_fmt(double(norm_affine(xh, wp, bp, j)), fmt), fmt);
+        store_fmt(yp, r * W + j, round_float_fmt(norm_affine(xh, wp, bp, j), fmt), fmt);
       }
       sp[r] = rs;
     }
@@ -97,7 +97,7 @@ at::Tensor norm_backward_cpu(const at::Tensor& gy, const at::Tensor& xhat, const
       const float m2 = row_mean(W, width, [&](int64_t j) { return double(g(j)) * double(hr[j]); });
       const float m1 = rms ? 0.0f : row_mean(W, width, [&](int64_t j) { return double(g(j)); });
       for (int64_t j = 0; j < W; ++j)
-        store_fmt(op, r * W + j, round_double_fmt(double(norm_grad_input(g(j), hr[j], m1, m2, sp[r], rms)), fmt), fmt);
+        store_fmt(op, r * W + j, round_float_fmt(norm_grad_input(g(j), hr[j], m1, m2, sp[r], rms), fmt), fmt);
     }
   });
   return gx;

@@ -55,7 +55,7 @@ __global__ void ce_backward_kernel(const float* __restrict__ e, const float* __r
   if (i >= N * C) return;
   const int64_t r = i / C, j = i - r * C;
   const float v = valid[r] ? ce_grad(e[i], s[r], j == target[r], grad[r]) : 0.0f;
-  store_fmt(dx, i, round_double_fmt(double(v), fmt), fmt);
+  store_fmt(dx, i, round_float_fmt(v, fmt), fmt);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ce_forward_cuda(const at::Tensor& x, const at::Tensor& target,

@@ -60,7 +60,7 @@ __global__ void norm_forward_kernel(const T* __restrict__ x, const float* __rest
   for (int64_t j = lane; j < W; j += kLanes) {
     const float xh = d(j) * rs;
     xhat[r * W + j] = xh;
-    store_fmt(y, r * W + j, round_double_fmt(double(norm_affine(xh, weight, bias, j)), fmt), fmt);
+    store_fmt(y, r * W + j, round_float_fmt(norm_affine(xh, weight, bias, j), fmt), fmt);
   }
   if (lane == 0) rstd[r] = rs;
 }
@@ -82,7 +82,7 @@ __global__ void norm_backward_kernel(const T* __restrict__ gy, const float* __re
   const float m1 = rms ? 0.0f : warp_row_mean(W, width, lane, [&](int64_t j) { return double(g(j)); });
   const float rs = rstd[r];
   for (int64_t j = lane; j < W; j += kLanes)
-    store_fmt(gx, r * W + j, round_double_fmt(double(norm_grad_input(g(j), hr[j], m1, m2, rs, rms)), fmt), fmt);
+    store_fmt(gx, r * W + j, round_float_fmt(norm_grad_input(g(j), hr[j], m1, m2, rs, rms), fmt), fmt);
 }
 
 unsigned row_blocks(int64_t R) { return unsigned((R + kRowsPerBlock - 1) / kRowsPerBlock); }
