@@ -3,7 +3,8 @@
     python benchmarks/activations.py                  # CPU, 2^20 elements
     python benchmarks/activations.py --device cuda    # GPU, 4096 x 4096 (the det_ddp step's MLP activation)
 
-For each activation (det_gelu erf and tanh, det_silu, det_tanh): the forward (ldet::act) and the
+For each activation (det_gelu erf and tanh, det_silu, det_tanh; gelu_erf_series: erf-GELU with
+the CUDA fast way of csrc/cuda/gelu_fast.cuh switched off, the series alone): the forward (ldet::act) and the
 backward (ldet::act_backward, the op alone) against F.gelu / F.silu / torch.tanh and their backward
 through torch.autograd.grad (so the autograd engine's overhead per call, tens of microseconds, is
 in the baseline's backward and not in ours), in the input's dtype, in microseconds per call and as
@@ -13,6 +14,7 @@ model's pre-activations are of that size), fp32. Writes benchmarks/results/<devi
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -27,6 +29,8 @@ from lightning_det import _build  # noqa: E402
 
 KINDS = {  # name: (ldet ActKind, the PyTorch forward)
     "gelu_erf": (0, lambda x: F.gelu(x)),
+    # the same op with its CUDA fast way off (csrc/cuda/gelu_fast.cuh): the series alone
+    "gelu_erf_series": (0, lambda x: F.gelu(x)),
     "gelu_tanh": (1, lambda x: F.gelu(x, approximate="tanh")),
     "silu": (2, F.silu),
     "tanh": (3, torch.tanh),
@@ -50,6 +54,10 @@ def main(argv=None):
     rows = []
     for name in args.kinds.split(","):
         kind, ref = KINDS[name]
+        if name == "gelu_erf_series":
+            os.environ["LIGHTNING_DET_GELU_SERIES"] = "1"  # read by the op at every call
+        else:
+            os.environ.pop("LIGHTNING_DET_GELU_SERIES", None)
         xr = x.clone().requires_grad_()
         yr = ref(xr)
         t = {
