@@ -234,11 +234,47 @@ LDET_HD float round_int128_fmt(bool neg, u128 mag, int E, int fmt) {
   return round_int128(neg, mag, E, 24, -149, 128);
 }
 
+#if defined(__CUDA_ARCH__)
+// mag * 2^E (mag > 0, below 2^127) rounded to nearest-even into fp32 when the result is a normal
+// fp32 value, into *out; false otherwise (subnormal, overflow: round_int128 decides those).
+// The top 64 bits of mag, with a sticky bit for the rest at bit 0, go through the hardware's
+// 64-bit integer conversion (round-to-nearest-even; the sticky bit lies 39 bits below the
+// rounding bit, so it only breaks ties, as the dropped bits would); the scale then enters the
+// exponent field, exact for a normal result. The combine spent ~670 instructions an output, with
+// round_int128's shifts, branches and fp64 scaling among them (NOTES, session 19).
+__device__ __forceinline__ bool round_u128_f32_normal(u128 mag, int E, float* out) {
+  const uint64_t hi = uint64_t(mag >> 64), lo = uint64_t(mag);
+  int s;  // leading zeros of mag
+  uint64_t top;
+  if (hi != 0) {
+    s = __clzll(hi);
+    top = s ? (hi << s) | (lo >> (64 - s)) : hi;
+    top |= uint64_t((lo << s) != 0);  // (lo << s: the bits below top; s < 64)
+  } else {
+    const int z = __clzll(lo);
+    s = 64 + z;
+    top = lo << z;  // exact
+  }
+  const float f = __ull2float_rn(top);  // in [2^63, 2^64]
+  const int k = E + 64 - s;             // mag * 2^E ~ top * 2^k
+  const int biased = int((__float_as_uint(f) >> 23) & 0xff) + k;
+  if (biased < 1 || biased > 254) return false;
+  *out = __uint_as_float(__float_as_uint(f) + (uint32_t(k) << 23));
+  return true;
+}
+#endif
+
 // T * 2^E (two's complement) rounded once to fmt: round_int128 of its magnitude; an exact zero
 // gives +0.0.
 LDET_HD float round_signed_int128(i128 T, int E, int fmt) {
   if (T == 0) return 0.0f;
-  return round_int128_fmt(T < 0, T < 0 ? u128(-T) : u128(T), E, fmt);
+  const bool neg = T < 0;
+  const u128 mag = neg ? u128(-T) : u128(T);
+#if defined(__CUDA_ARCH__)
+  float f;
+  if (fmt == kFmtF32 && round_u128_f32_normal(mag, E, &f)) return neg ? -f : f;
+#endif
+  return round_int128_fmt(neg, mag, E, fmt);
 }
 
 // Adds the finite fp64 value b to T (two's complement, in units of 2^Eu) when b is an integer
@@ -258,7 +294,19 @@ LDET_HD bool add_units(u128& T, double b, int Eu, int max_bits) {
   if (m == 0) return true;
   const int tz = 63 - clz64(m & (~m + 1));
   if (sh + tz < 0 || sh > max_bits - 53) return false;
-  const u128 v = sh >= 0 ? (u128(m) << sh) : u128(m >> (-sh));
+  // m << sh in 64-bit halves (0 <= sh <= max_bits - 53 < 72), or m >> -sh (-sh <= tz <= 52):
+  // nvcc's generic 128-bit shift by a runtime count was ~180 PTX instructions of branches
+  uint64_t lo, hi = 0;
+  if (sh >= 64) {
+    lo = 0;
+    hi = m << (sh - 64);
+  } else if (sh > 0) {
+    lo = m << sh;
+    hi = m >> (64 - sh);
+  } else {
+    lo = m >> (-sh);
+  }
+  const u128 v = (u128(hi) << 64) | lo;
   T = (u >> 63) ? T - v : T + v;
   return true;
 }
@@ -328,14 +376,23 @@ LDET_HD void exact_output(const Elems& x, int64_t m, const Elems& w, int64_t n, 
 // every load first, so their latencies overlap, and no work for absent diagonals.
 template <int DC = 0>
 LDET_HD u128 diagonal_sum(const int32_t* c, int64_t pstride, int nch, int D, int bits) {
-  // Horner from the top diagonal: constant shifts only, modular (unsigned) arithmetic
+  // Horner from the top diagonal: modular (unsigned) arithmetic
   u128 T = 0;
   if (DC > 0) {
     int32_t v[DC > 0 ? DC : 1];
 #pragma unroll
     for (int d = 0; d < DC; ++d) v[d] = c[d * pstride];
+    // Four diagonals at a time in 64 bits (|sum_j v_j 2^(bits j)| < 2^31 2^(3 bits + 1) <= 2^56
+    // for bits <= 8: the modular sum is the exact one), then the groups in 128: a quarter of the
+    // 128-bit shifts and adds of a Horner step per diagonal.
+    constexpr int G = (DC + 3) / 4;
 #pragma unroll
-    for (int d = DC - 1; d >= 0; --d) T = (T << bits) + u128(i128(v[d]));
+    for (int g = G - 1; g >= 0; --g) {
+      uint64_t s = 0;
+#pragma unroll
+      for (int d = (4 * g + 3 < DC ? 4 * g + 3 : DC - 1); d >= 4 * g; --d) s = (s << bits) + uint64_t(int64_t(v[d]));
+      T = (T << (4 * bits)) + u128(i128(int64_t(s)));
+    }
   } else {
     for (int d = D - 1; d >= 0; --d) {
       int64_t s = 0;
@@ -354,7 +411,7 @@ LDET_HD u128 diagonal_sum(const int32_t* c, int64_t pstride, int nch, int D, int
 // those units within range.
 LDET_HD bool finish_output_fast(u128 T, int E, int F, const double* bias, int fmt, const ResidueTerms& terms,
                                 float* out_val) {
-  T <<= F;
+  if (F != 0) T <<= F;  // F: 0 unless residues reach below 2^E
   const int Eu = E - F;
   // the bias joins T when it is an integer number of units below 2^100 of them
   bool ok = bias == nullptr || *bias == 0.0 || add_units(T, *bias, Eu, 100);
