@@ -191,6 +191,19 @@ std::array<int64_t, 2> slices_guess_mode();
 const SliceBackend& slice_backend_cpu();
 const SliceBackend& slice_backend_cuda();
 
+#ifdef LDET_WITH_CUDA
+at::Tensor dense_rows_cuda(const at::Tensor& a);  // csrc/cuda/dense_rows_cuda.cu
+#endif
+
+// The operand with dense rows: contiguous(), and on the GPU a tiled transpose for the transposed
+// views of DetLinear's backward (csrc/cuda/dense_rows_cuda.cu; the same bytes).
+inline at::Tensor dense_rows(const at::Tensor& a) {
+#ifdef LDET_WITH_CUDA
+  if (a.is_cuda()) return dense_rows_cuda(a);
+#endif
+  return a.contiguous();
+}
+
 // A combine's destination: dst when defined, else a new (M, Nv) of out_dtype or digits (M, Nv, 19)
 // on C's device (every output written), and its row stride in outputs.
 inline at::Tensor combine_output(const at::Tensor& C, int64_t M, int64_t Nv, bool digits, at::ScalarType out_dtype,
@@ -366,7 +379,7 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
     const bool fp32 = x_in.scalar_type() == at::kFloat || w_in.scalar_type() == at::kFloat;
     if (double(M) * double(N) * double(K) < double(fp32 ? be.min_work_fp32 : be.min_work_16bit)) return {};
   }
-  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const at::Tensor x = dense_rows(x_in), w = dense_rows(w_in);
   const int bits = be.bits;
 
   // The guess, if this call takes one (slices_guess_mode).

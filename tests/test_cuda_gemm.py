@@ -186,3 +186,21 @@ def test_cuda_fp32_segment_pair_rounding_near_ties(scale_exp, tail):
     # control: the fp64 sum of the products rounded once more to fp32 misses these ties
     if scale_exp == 0:
         assert not torch.equal((x.double() @ w.double().T).float().diagonal(), R.gemm_rounded(x, w).diagonal())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_transposed_operands_match_cpu(dtype):
+    """det_gemm of transposed views (DetLinear's backward: g^T x^T, g W^T) takes the GPU's tiled
+    transpose (csrc/cuda/dense_rows_cuda.cu) into the slices: the same bytes as the CPU and as
+    contiguous copies, at sizes off the 32 x 32 tiles, through the slices and the auto route."""
+    from lightning_det.ops import gemm_path
+
+    for (m, k, n), seed in (((33, 70, 45), 30), ((1000, 97, 129), 31), ((64, 4097, 2), 32)):
+        xs, ws = gen.normal((k, m), dtype, seed), gen.normal((k, n), dtype, seed + 100)  # x = xs^T, w = ws^T
+        for path in ("slices", "auto"):
+            with gemm_path(path):
+                gpu = det_gemm(xs.cuda().t(), ws.cuda().t()).cpu()
+                dense = det_gemm(xs.cuda().t().contiguous(), ws.cuda().t().contiguous()).cpu()
+                cpu = det_gemm(xs.t(), ws.t())
+            assert_bitwise(gpu, cpu, f"{dtype} {m}x{k}x{n} {path}: transposed views, CUDA vs CPU")
+            assert_bitwise(gpu, dense, f"{dtype} {m}x{k}x{n} {path}: transposed views vs contiguous copies")
