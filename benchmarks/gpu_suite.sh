@@ -27,7 +27,7 @@ status=0
 ALL="test_cuda_gemm: test_int_slices:cuda test_det_modules:cuda test_adamw_sr:cuda test_digest:cuda
      test_digest_callback:cuda test_det_cross_entropy:cuda test_ops_api: test_gpt_char:cuda
      test_eager_rounding:cuda test_scatter_sum:cuda test_slices_guess:cuda test_crt_route:cuda
-     test_norm_op:cuda test_ce_op:cuda test_trusted_mode: test_gelu_fast:"
+     test_norm_op:cuda test_ce_op:cuda test_trusted_mode: test_gelu_fast: test_combine_rounding:"
 for spec in ${LDET_TESTS:-$ALL}; do
   f=${spec%%:*} k=${spec#*:}
   k=${k/#!/not }  # "!cuda": the file's CPU tests
