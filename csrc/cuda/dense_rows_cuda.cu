@@ -43,11 +43,12 @@ __global__ void __launch_bounds__(kTile * kTileRows) transpose_tiles_kernel(cons
 }  // namespace
 
 at::Tensor dense_rows_cuda(const at::Tensor& a) {
-  // only a 2-D transposed view of a dense matrix (strides (1, R)); everything else as before
+  // only a 2-D transposed view of a dense matrix (strides (1, R), never contiguous with both
+  // sizes > 1) whose tiles fit the grid; everything else as before
   const bool transposed = a.dim() == 2 && a.size(0) > 1 && a.size(1) > 1 && a.stride(0) == 1 &&
                           a.stride(1) == a.size(0) && (a.element_size() == 4 || a.element_size() == 2);
-  const int64_t R = transposed ? a.size(0) : 0, C = transposed ? a.size(1) : 0;
-  if (!transposed || a.is_contiguous() || (C + kTile - 1) / kTile > 65535) return a.contiguous();
+  if (!transposed || (a.size(1) + kTile - 1) / kTile > 65535) return a.contiguous();
+  const int64_t R = a.size(0), C = a.size(1);
   c10::cuda::CUDAGuard guard(a.device());
   at::Tensor out = uninit({R, C}, a.options());  // every element written
   const dim3 grid(unsigned((R + kTile - 1) / kTile), unsigned((C + kTile - 1) / kTile)), block(kTile, kTileRows);
