@@ -12,8 +12,10 @@ fp32 on the same shape, the yardstick of the performance issue. ours_* is det_ge
 (route "auto"); kernel_* and slices_* time each exact route on its own (lightning_det.ops.gemm_path,
 the slices in the way the device's cost model picks), diagonals_* and crt_* the slices' two ways
 forced: one int8 GEMM per diagonal of slice pairs, or per CRT modulus (csrc/crt.h; crt_moduli 0:
-they cannot cover the products and the diagonals ran), and routes_same_bytes checks that all of
-them returned the same bits on these operands.
+they cannot cover the products and the diagonals ran), fp64_* the fp64 route (csrc/fp64_bound.h;
+fp64_undecided / fp64_exact: the shares of outputs its bound left to the compensated sum / of those
+to the long accumulator), and routes_same_bytes checks that all of them returned the same bits on
+these operands.
 
 Data kinds (--data), each an (M, K) x and an (N, K) w for det_gemm(x, w) = x @ w.T:
   normal  torch.randn, seeds 1 and 2 (fp32 and bf16).
@@ -46,7 +48,7 @@ from _common import time_fn, write  # noqa: E402
 
 import _real_data  # noqa: E402
 
-from lightning_det.ops import det_gemm, gemm_path, last_slices_plan, slices_guess  # noqa: E402
+from lightning_det.ops import det_gemm, gemm_path, last_fp64_counts, last_slices_plan, slices_guess  # noqa: E402
 
 
 DTYPES = {"normal": (torch.float32, torch.bfloat16), "wide": (torch.bfloat16,), "real": (torch.float32, torch.bfloat16)}
@@ -84,10 +86,13 @@ def bench(device, x, w, dtype, kind, source, repeat):
     ours = time_fn(lambda: det_gemm(x, w), device, warmup=3, repeat=repeat)  # the first timed: the most warm-up
     # each exact route on its own, and the proof that they agree on these operands
     routes, outs, plans = {}, {"auto": det_gemm(x, w)}, {}
-    for route in ("kernel", "slices", "slices_diagonals", "slices_crt"):
+    fp64_counts = {}
+    for route in ("kernel", "slices", "slices_diagonals", "slices_crt", "fp64"):
         with gemm_path(route):
             routes[route] = time_fn(lambda: det_gemm(x, w), device, warmup=1, repeat=repeat)
             outs[route] = det_gemm(x, w)
+            if route == "fp64":
+                fp64_counts = last_fp64_counts()
             if route.startswith("slices"):
                 with slices_guess("sync"):  # how the slices cut these operands (a guessed plan has no counts)
                     det_gemm(x, w)
@@ -110,6 +115,9 @@ def bench(device, x, w, dtype, kind, source, repeat):
         # modulus (csrc/crt.h; 0 moduli: they cannot cover these products and the diagonals ran)
         "diagonals_ratio_vs_fp32_mm": fp32 / routes["slices_diagonals"],
         "crt_moduli": crt_moduli, "crt_ratio_vs_fp32_mm": fp32 / routes["slices_crt"],
+        # the fp64 route (csrc/fp64_bound.h) and the share of outputs its bound left undecided
+        "fp64_ratio_vs_fp32_mm": fp32 / routes["fp64"], "fp64_undecided": fp64_counts.get("undecided", 0) / (M * N),
+        "fp64_exact": fp64_counts.get("exact", 0) / (M * N),
     }
     what = f"{kind} {source['layer']} {source['gemm']}" if kind == "real" else kind
     print(f"{row['op']:9s} {row['dtype']:9s} {what:28s} {M:5d}x{N:5d}x{K:5d}  ours {row['ours_tflops']:9.4f} TF/s  "
@@ -117,7 +125,8 @@ def bench(device, x, w, dtype, kind, source, repeat):
           f"(kernel {row['kernel_ratio_vs_fp32_mm']:.4f}, slices {row['slices_ratio_vs_fp32_mm']:.4f}, "
           f"same bytes {same}; slices {plan['slices_x']}x{plan['slices_w']}, "
           f"residues {plan['residues_x']}/{plan['residues_w']}; diagonals {row['diagonals_ratio_vs_fp32_mm']:.4f}, "
-          f"crt {row['crt_ratio_vs_fp32_mm']:.4f} with {crt_moduli} moduli)",
+          f"crt {row['crt_ratio_vs_fp32_mm']:.4f} with {crt_moduli} moduli; fp64 {row['fp64_ratio_vs_fp32_mm']:.4f}, "
+          f"undecided {row['fp64_undecided']:.2e}, exact {row['fp64_exact']:.2e})",
           flush=True)
     return row
 

@@ -31,9 +31,23 @@ namespace ldet {
 // Path switch (ldet::set_gemm_path, lightning_det.ops.gemm_path): which exact route gemm takes.
 // kPathSlices: the slices, with the backend's choice between diagonals and the CRT route (crt.h);
 // kPathSlicesDiagonals / kPathSlicesCrt force one of them (CRT where the backend has
-// it and the moduli cover the products; else the diagonals).
-enum GemmPath { kPathAuto = 0, kPathKernel = 1, kPathSlices = 2, kPathSlicesDiagonals = 3, kPathSlicesCrt = 4 };
+// it and the moduli cover the products; else the diagonals). kPathFp64: rounded outputs through the
+// fp64 route (csrc/fp64_bound_host.h) whatever their size and dtypes; digits as in auto mode.
+enum GemmPath {
+  kPathAuto = 0,
+  kPathKernel = 1,
+  kPathSlices = 2,
+  kPathSlicesDiagonals = 3,
+  kPathSlicesCrt = 4,
+  kPathFp64 = 5
+};
 int gemm_path();  // csrc/schema/gemm.cpp
+
+// A row-major (unit column stride) fp32 / bf16 / fp16 operand as the kernels read it (int_slices.h).
+inline Elems elems_of(const at::Tensor& a) {
+  const auto st = a.scalar_type();
+  return Elems{a.data_ptr(), st == at::kFloat ? kElemF32 : st == at::kBFloat16 ? kElemBF16 : kElemF16, a.stride(0)};
+}
 
 // One operand's slices and what the combine needs of it (rows narrowed for an N-chunk of w).
 struct SliceOperand {
@@ -371,7 +385,8 @@ inline int64_t crt_moduli(const SliceBackend& be, int mode, int64_t M, int64_t N
 inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias,
                                   bool digits, at::ScalarType out_dtype, const SliceBackend& be,
                                   const LongAccGemm& long_acc) {
-  const int mode = gemm_path();
+  // the fp64 route's switch leaves digits (and what it declined) to the auto choice
+  const int mode = gemm_path() == kPathFp64 ? kPathAuto : gemm_path();
   if (mode == kPathKernel) return {};
   const int64_t M = x_in.size(0), K = x_in.size(1), N = w_in.size(0);
   if (M == 0 || N == 0 || K == 0) return {};

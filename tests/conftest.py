@@ -53,8 +53,8 @@ def both_paths(fn, slices="slices"):
 def assert_same_everywhere(x, w, bias=None, what="") -> dict:
     """det_gemm (every output dtype) and det_gemm_partial through the slices with each way of
     forming their products (one GEMM per diagonal of slice pairs; one per CRT modulus where the
-    device has it and the moduli cover the products) give the kernel's bytes. Returns the last
-    CRT call's last_slices_plan()."""
+    device has it and the moduli cover the products), and det_gemm through the fp64 route, give
+    the kernel's bytes. Returns the last CRT call's last_slices_plan()."""
     from lightning_det.ops import det_gemm, det_gemm_partial, last_slices_plan
 
     for route in ("slices_diagonals", "slices_crt"):
@@ -64,6 +64,9 @@ def assert_same_everywhere(x, w, bias=None, what="") -> dict:
         ref, got = both_paths(lambda: det_gemm_partial(x, w, bias), route)
         plan = last_slices_plan()
         assert torch.equal(got, ref), f"{what} det_gemm_partial: {route} digits differ from the kernel's"
+    for od in SLICE_OUT_DTYPES:  # the fp64 route (rounded outputs only: csrc/fp64_bound.h)
+        ref, got = both_paths(lambda: det_gemm(x, w, bias, out_dtype=od), "fp64")
+        assert_bitwise(got, ref, f"{what} det_gemm out {od}: fp64 route vs kernel")
     return plan
 
 

@@ -18,6 +18,7 @@
 
 #include "cpu/fp_env.h"
 #include "op_checks.h"
+#include "fp64_bound_host.h"
 #include "int_slices_host.h"
 #include "split.h"
 #include "gemm_common.h"
@@ -261,6 +262,10 @@ at::Tensor gemm_common_cpu(const at::Tensor& x, const at::Tensor& w, const c10::
                            int64_t norm_interval, at::ScalarType out_dtype = at::kFloat, bool allow_slices = true) {
   check_gemm_args(x, w, bias);
   if (allow_slices && norm_interval == 0) {
+    if (kFinalize) {  // rounded outputs: the fp64 route where it is forced (fp64_bound_host.h)
+      const at::Tensor r = gemm_fp64_bound(x, w, bias, out_dtype, fp64_backend_cpu());
+      if (r.defined()) return r;
+    }
     const at::Tensor r = gemm_int_slices(
         x, w, bias, !kFinalize, out_dtype, slice_backend_cpu(),
         [&](const at::Tensor& xs, const at::Tensor& ws, const c10::optional<at::Tensor>& bs) {

@@ -212,11 +212,6 @@ Residues residues_of(const SliceOperand& o) {
   return {o.rcount.data_ptr<int32_t>(), o.ridx.data_ptr<int32_t>(), o.rval.data_ptr<double>(), o.F.data_ptr<int32_t>()};
 }
 
-Elems elems_of(const at::Tensor& a) {
-  const int kind = a.scalar_type() == at::kFloat ? kElemF32 : a.scalar_type() == at::kBFloat16 ? kElemBF16 : kElemF16;
-  return {a.data_ptr(), kind, a.stride(0)};
-}
-
 // What the combine reads for every output (combine_cpu).
 struct CombineView {
   const int32_t* c;

@@ -34,6 +34,7 @@
 
 #include "gemm_common.h"
 #include "op_checks.h"
+#include "fp64_bound_host.h"
 #include "int_slices_host.h"
 #include "split.h"
 
@@ -598,6 +599,10 @@ at::Tensor gemm_common_cuda(const at::Tensor& x_in, const at::Tensor& w_in, cons
     TORCH_CHECK(bias->device() == x_in.device(), "bias: expected device ", x_in.device(), ", got ", bias->device());
   c10::cuda::CUDAGuard guard(x_in.device());
   if (allow_slices && norm_interval == 0) {
+    if (kFinalize) {  // rounded outputs: the fp64 route first (fp64_bound_host.h)
+      const at::Tensor r = gemm_fp64_bound(x_in, w_in, bias, out_dtype, fp64_backend_cuda());
+      if (r.defined()) return r;
+    }
     const at::Tensor r = gemm_int_slices(
         x_in, w_in, bias, !kFinalize, out_dtype, slice_backend_cuda(),
         [&](const at::Tensor& xs, const at::Tensor& ws, const c10::optional<at::Tensor>& bs) {

@@ -1,11 +1,14 @@
-// The int8 GEMMs of the integer-slice route (csrc/int_slices_host.h) straight through cuBLASLt.
+// The int8 GEMMs of the integer-slice route (csrc/int_slices_host.h) and the fp64 GEMMs of the
+// fp64 route (csrc/fp64_bound_host.h) straight through cuBLASLt.
 //
 // Why not at::_int_mm: it passes no algorithm to cublasLtMatmul, which then runs its heuristic
 // on every call: ~85 us of host time per GEMM (det_ddp step profile, NOTES "Session 8"), more
 // than the GEMM itself takes on the GPU for the training step's shapes, and a slice GEMM makes
-// 9-27 of them. Here the descriptors and the heuristic's first choice are kept per (shape,
-// strides, alignment, device); a call then costs one cublasLtMatmul. The algorithm: the
-// heuristic's first choice, or on request the fastest of its first eight, timed once (tune, below).
+// 9-27 of them. Here the descriptors and the heuristic's first choice are kept per (kind, shape,
+// strides, layouts, alignment, device); a call then costs one cublasLtMatmul. The algorithm: the
+// heuristic's first choice, or for int8 on request the fastest of its first eight, timed once
+// (tune, below). The fp64 GEMMs ask for CUBLAS_COMPUTE_64F, native IEEE fp64 (not cuBLAS's
+// emulated fp64, a compute type of its own): fp64_bound.h's error bound assumes it.
 #include "cuda/int8_gemm_lt.h"
 
 #include <ATen/cuda/CUDAContextLight.h>
@@ -25,14 +28,19 @@ namespace {
 #define LDET_LT_CHECK(expr, what)                                                                         \
   do {                                                                                                    \
     const cublasStatus_t st_ = (expr);                                                                    \
-    TORCH_CHECK(st_ == CUBLAS_STATUS_SUCCESS, "int8 GEMM (cuBLASLt): ", what, " failed with status ", int(st_)); \
+    TORCH_CHECK(st_ == CUBLAS_STATUS_SUCCESS, "GEMM (cuBLASLt): ", what, " failed with status ", int(st_)); \
   } while (0)
 
-// Column-major view of the row-major problem: C^T (N x M, ld N) = B (N x K, stored K x N with ld
-// ldb, op T) . A^T (K x M, stored with ld lda, op N).
+enum LtKind { kLtInt8 = 0, kLtF64 = 1 };
+
+// Column-major view of the row-major problem: C^T (N x M, ld N) = B (N x K) . A^T (K x M), B and
+// A each stored row-major (b_rows: K x N column-major with ld ldb, op T; A^T: K x M with ld lda,
+// op N) or column-major (N x K with ld ldb, op N; M x K with ld lda, op T).
 struct LtKey {
   int64_t m, n, k, lda, ldb, ldc;
   int align_a, align_b, align_c, device;
+  int kind, a_rows, b_rows;
+  int unused = 0;  // no padding bytes: the key is compared and hashed as raw bytes
   bool operator==(const LtKey& o) const { return std::memcmp(this, &o, sizeof(LtKey)) == 0; }
 };
 
@@ -67,14 +75,18 @@ int alignment(const void* p) {
 
 LtPlan make_plan(const LtKey& key) {
   LtPlan p;
-  LDET_LT_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32I, CUDA_R_32I), "descriptor");
-  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  const bool f64 = key.kind == kLtF64;
+  const cudaDataType_t in = f64 ? CUDA_R_64F : CUDA_R_8I, acc = f64 ? CUDA_R_64F : CUDA_R_32I;
+  LDET_LT_CHECK(cublasLtMatmulDescCreate(&p.op, f64 ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32I, acc), "descriptor");
+  const cublasOperation_t ta = key.b_rows ? CUBLAS_OP_T : CUBLAS_OP_N, tb = key.a_rows ? CUBLAS_OP_N : CUBLAS_OP_T;
   LDET_LT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), "transa");
   LDET_LT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), "transb");
-  // stored shapes: A (the w slices) K x N, B (the x slices) K x M, C N x M
-  LDET_LT_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_8I, key.k, key.n, key.ldb), "layout A");
-  LDET_LT_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_8I, key.k, key.m, key.lda), "layout B");
-  LDET_LT_CHECK(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_32I, key.n, key.m, key.ldc), "layout C");
+  // stored shapes: A (the w operand) K x N or N x K, B (the x operand) K x M or M x K, C N x M
+  LDET_LT_CHECK(cublasLtMatrixLayoutCreate(&p.a, in, key.b_rows ? key.k : key.n, key.b_rows ? key.n : key.k, key.ldb),
+                "layout A");
+  LDET_LT_CHECK(cublasLtMatrixLayoutCreate(&p.b, in, key.a_rows ? key.k : key.m, key.a_rows ? key.m : key.k, key.lda),
+                "layout B");
+  LDET_LT_CHECK(cublasLtMatrixLayoutCreate(&p.c, acc, key.n, key.m, key.ldc), "layout C");
   cublasLtMatmulPreference_t pref;
   LDET_LT_CHECK(cublasLtMatmulPreferenceCreate(&pref), "preference");
   const size_t workspace = 0;  // as at::_int_mm: no split-K workspace
@@ -98,10 +110,21 @@ LtPlan make_plan(const LtKey& key) {
   return p;
 }
 
-cublasStatus_t run(const LtPlan& p, const cublasLtMatmulAlgo_t* algo, const Int8Gemm& g, cudaStream_t stream) {
-  const int32_t alpha = 1, beta = 0;
-  return cublasLtMatmul(at::cuda::getCurrentCUDABlasLtHandle(), p.op, &alpha, g.b, p.a, g.a, p.b, &beta, g.c, p.c,
-                        g.c, p.c, algo, nullptr, 0, stream);
+// One GEMM's operands, whatever its kind: c = a . b^T.
+struct LtArgs {
+  const void* a;
+  const void* b;
+  void* c;
+  int kind;
+};
+
+cublasStatus_t run(const LtPlan& p, const cublasLtMatmulAlgo_t* algo, const LtArgs& g, cudaStream_t stream) {
+  const int32_t ialpha = 1, ibeta = 0;
+  const double dalpha = 1.0, dbeta = 0.0;  // 1 * sum + 0: no rounding beyond the sum's own
+  const bool f64 = g.kind == kLtF64;
+  return cublasLtMatmul(at::cuda::getCurrentCUDABlasLtHandle(), p.op, f64 ? static_cast<const void*>(&dalpha) : &ialpha,
+                        g.b, p.a, g.a, p.b, f64 ? static_cast<const void*>(&dbeta) : &ibeta, g.c, p.c, g.c, p.c, algo,
+                        nullptr, 0, stream);
 }
 
 // Opt-in (LIGHTNING_DET_INT8_GEMM_TUNE=1): each new plan times its candidates once, on the call's
@@ -113,13 +136,13 @@ cublasStatus_t run(const LtPlan& p, const cublasLtMatmulAlgo_t* algo, const Int8
 // 7.51 ms untuned; det_gemm bf16 4096^3 2-4% slower tuned. One shape gained (DetLinear fp32
 // 1024 -> 4096, ~2%). A guess at why, not measured: the timing reruns the same operands, which
 // then sit in L2, unlike a step's (NOTES, session 16).
-void tune(LtPlan& p, const Int8Gemm& g, cudaStream_t stream) {
+void tune(LtPlan& p, const LtArgs& g, cudaStream_t stream) {
   static const bool enabled = [] {
     const char* env = std::getenv("LIGHTNING_DET_INT8_GEMM_TUNE");
     return env != nullptr && std::string(env) == "1";
   }();
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (!enabled || p.n_candidates < 2 || cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+  if (!enabled || g.kind != kLtInt8 || p.n_candidates < 2 || cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
       capture != cudaStreamCaptureStatusNone)
     return;
   cudaEvent_t start, stop;
@@ -157,12 +180,10 @@ bool use_torch_route() {
 
 }  // namespace
 
-void int8_gemm_lt(const Int8Gemm& g, const at::Device& device) {
-  TORCH_CHECK(g.m > 0 && g.n > 0 && g.k > 0 && g.lda >= g.k && g.ldb >= g.k && g.ldc >= g.n,
-              "int8 GEMM: expected positive m, n, k and row strides at least k (operands) and n (output)");
-  if (use_torch_route()) return int8_mm_aten(g, device);
-  const LtKey key{g.m, g.n, g.k, g.lda, g.ldb, g.ldc, alignment(g.a), alignment(g.b), alignment(g.c),
-                  int(device.index())};
+namespace {
+
+// c = a . b^T through the cached plan of `key` (made, and for int8 maybe tuned, on first use).
+void lt_matmul(const LtKey& key, const LtArgs& args, const at::Device& device) {
   static std::mutex mu;
   static std::unordered_map<LtKey, LtPlan, LtKeyHash> cache;
   // Shapes of one training run are few; past the cap a shape's plan is made and dropped per call.
@@ -177,7 +198,7 @@ void int8_gemm_lt(const Int8Gemm& g, const at::Device& device) {
     } else {
       c10::cuda::CUDAGuard guard(device);
       plan = make_plan(key);
-      tune(plan, g, c10::cuda::getCurrentCUDAStream());
+      tune(plan, args, c10::cuda::getCurrentCUDAStream());
       if (cache.size() < kCacheCap) {
         cache.emplace(key, plan);  // entries live as long as the process
       } else {
@@ -185,7 +206,7 @@ void int8_gemm_lt(const Int8Gemm& g, const at::Device& device) {
       }
     }
   }
-  LDET_LT_CHECK(run(plan, plan.have_algo ? &plan.algo : nullptr, g, c10::cuda::getCurrentCUDAStream()),
+  LDET_LT_CHECK(run(plan, plan.have_algo ? &plan.algo : nullptr, args, c10::cuda::getCurrentCUDAStream()),
                 "cublasLtMatmul");
   if (!cached) {
     cublasLtMatrixLayoutDestroy(plan.a);
@@ -193,6 +214,26 @@ void int8_gemm_lt(const Int8Gemm& g, const at::Device& device) {
     cublasLtMatrixLayoutDestroy(plan.c);
     cublasLtMatmulDescDestroy(plan.op);
   }
+}
+
+}  // namespace
+
+void int8_gemm_lt(const Int8Gemm& g, const at::Device& device) {
+  TORCH_CHECK(g.m > 0 && g.n > 0 && g.k > 0 && g.lda >= g.k && g.ldb >= g.k && g.ldc >= g.n,
+              "int8 GEMM: expected positive m, n, k and row strides at least k (operands) and n (output)");
+  if (use_torch_route()) return int8_mm_aten(g, device);
+  const LtKey key{g.m, g.n, g.k, g.lda, g.ldb, g.ldc, alignment(g.a), alignment(g.b), alignment(g.c),
+                  int(device.index()), kLtInt8, 1, 1};
+  lt_matmul(key, LtArgs{g.a, g.b, g.c, kLtInt8}, device);
+}
+
+void fp64_gemm_lt(const Fp64Gemm& g, const at::Device& device) {
+  TORCH_CHECK(g.m > 0 && g.n > 0 && g.k > 0 && g.lda >= (g.a_rows ? g.k : g.m) && g.ldb >= (g.b_rows ? g.k : g.n) &&
+                  g.ldc >= g.n,
+              "fp64 GEMM: expected positive m, n, k and leading strides covering the stored rows");
+  const LtKey key{g.m, g.n, g.k, g.lda, g.ldb, g.ldc, alignment(g.a), alignment(g.b), alignment(g.c),
+                  int(device.index()), kLtF64, g.a_rows ? 1 : 0, g.b_rows ? 1 : 0};
+  lt_matmul(key, LtArgs{g.a, g.b, g.c, kLtF64}, device);
 }
 
 }  // namespace ldet

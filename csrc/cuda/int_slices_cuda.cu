@@ -492,11 +492,6 @@ SliceOperand make_slices_cuda(const at::Tensor& a, const at::Tensor& needs, int6
   return so;
 }
 
-Elems elems_of(const at::Tensor& a) {
-  const auto st = a.scalar_type();
-  return Elems{a.data_ptr(), st == at::kFloat ? kElemF32 : st == at::kBFloat16 ? kElemBF16 : kElemF16, a.stride(0)};
-}
-
 KernelOperand kernel_operand(const SliceOperand& o, const at::Tensor& sh_c) {
   KernelOperand k;
   k.res = o.rcount.defined() ? Residues{o.rcount.data_ptr<int32_t>(), o.ridx.data_ptr<int32_t>(),

@@ -6,6 +6,7 @@
 #include <mutex>
 #include <vector>
 
+#include "fp64_bound_host.h"
 #include "int_slices_host.h"
 
 namespace ldet {
@@ -14,12 +15,13 @@ std::atomic<int> g_gemm_path{kPathAuto};
 
 // Sets the route every gemm / gemm_partial takes from now on (0 auto, 1 the long-accumulator
 // kernel only, 2 the integer slices wherever they apply, 3 / 4 the slices with their diagonals /
-// CRT remainders forced: int_slices_host.h); returns the previous one. Every route gives the same
-// bytes: the switch exists for tests and benchmarks.
+// CRT remainders forced: int_slices_host.h; 5 the fp64 route for rounded outputs:
+// fp64_bound_host.h); returns the previous one. Every route gives the same bytes: the switch
+// exists for tests and benchmarks.
 int64_t set_gemm_path(int64_t path) {
-  TORCH_CHECK(path >= kPathAuto && path <= kPathSlicesCrt,
-              "path: expected 0 (auto), 1 (kernel), 2 (slices), 3 (slices, diagonals) or 4 (slices, CRT), got ",
-              path);
+  TORCH_CHECK(path >= kPathAuto && path <= kPathFp64,
+              "path: expected 0 (auto), 1 (kernel), 2 (slices), 3 (slices, diagonals), 4 (slices, CRT) or 5 (fp64), "
+              "got ", path);
   return g_gemm_path.exchange(int(path));
 }
 
@@ -52,7 +54,20 @@ std::array<int64_t, 7>& last_slices_plan() {
   return plan;
 }
 
+at::Tensor& last_fp64_counts() {
+  thread_local at::Tensor counts;
+  return counts;
+}
+
 namespace {
+// A copy on the host (one synchronization: tests and benchmarks only); zeros before any call.
+std::vector<int64_t> last_fp64_counts_op() {
+  const at::Tensor& c = last_fp64_counts();
+  if (!c.defined()) return {0, 0};
+  const at::Tensor h = c.cpu();
+  return {h[0].item<int64_t>(), h[1].item<int64_t>()};
+}
+
 std::vector<int64_t> last_slices_plan_op() {
   const auto& p = last_slices_plan();
   return std::vector<int64_t>(p.begin(), p.end());
@@ -76,6 +91,9 @@ TORCH_LIBRARY_FRAGMENT(ldet, m) {
   // to the kernel] (tests and benchmarks; zeros before any; -1 for counts a guessed plan did not
   // wait for).
   m.def("last_slices_plan() -> int[]", &ldet::last_slices_plan_op);
+  // The last fp64-route GEMM of this thread (csrc/fp64_bound_host.h): [outputs its fp64 GEMM's
+  // bound left undecided, of those the ones left to the long accumulator] (one synchronization).
+  m.def("last_fp64_counts() -> int[]", &ldet::last_fp64_counts_op);
   // How slice GEMMs plan (csrc/int_slices_host.h, "Guessed plans"): returns the previous setting.
   m.def("set_slices_guess(int sx, int sw) -> int[]", &ldet::set_slices_guess);
 }

@@ -28,6 +28,7 @@ __all__ = [
     "det_finalize",
     "det_normalize",
     "gemm_path",
+    "last_fp64_counts",
     "last_slices_plan",
     "scatter_sum_digits",
     "slices_guess",
@@ -132,7 +133,7 @@ def det_gemm(
     return y.reshape(*lead, w.shape[0])
 
 
-_GEMM_PATHS = {"auto": 0, "kernel": 1, "slices": 2, "slices_diagonals": 3, "slices_crt": 4}
+_GEMM_PATHS = {"auto": 0, "kernel": 1, "slices": 2, "slices_diagonals": 3, "slices_crt": 4, "fp64": 5}
 
 
 @contextlib.contextmanager
@@ -149,7 +150,11 @@ def gemm_path(path: str) -> Iterator[None]:
             one GEMM per modulus of a residue number system (Chinese remainder theorem) where
             the moduli cover the products; "auto" takes it on the CPU wherever it needs fewer int8
             GEMMs than the diagonals when the build has AVX-512, else for fp32 from K ~ 100,
-            and on CUDA never: benchmarks/NOTES.md; :func:`last_slices_plan` says which ran).
+            and on CUDA never: benchmarks/NOTES.md; :func:`last_slices_plan` says which ran),
+            ``"fp64"`` (rounded outputs from one fp64 GEMM whose proven error bound decides each
+            output's rounding; the few it cannot decide are recomputed from the operands,
+            csrc/fp64_bound.h; "auto" takes it on CUDA for rounded outputs with an fp32
+            operand; digits outputs then go as under "auto": :func:`last_fp64_counts`).
 
     Every path returns the same bytes (the exact sum rounded once); the switch exists so tests and
     benchmarks can compare them. Not thread-safe: it sets one process-wide route.
@@ -218,6 +223,18 @@ def last_slices_plan() -> dict:
     """
     keys = ("slices_x", "slices_w", "residues_x", "residues_w", "kernel_rows_x", "kernel_rows_w", "moduli")
     return dict(zip(keys, (int(v) for v in _ops().last_slices_plan())))
+
+
+def last_fp64_counts() -> dict:
+    """How this thread's last rounded det_gemm on the fp64 route went (csrc/fp64_bound.h).
+
+    Returns a dict: ``undecided`` (outputs whose rounding the fp64 GEMM's error bound could not
+    decide, recomputed from the operands by a compensated sum) and ``exact`` (of those, the ones
+    that sum could not decide either, left to the long accumulator). Zeros when this thread's
+    last rounded det_gemm took another route.
+    Reading it waits for the GPU. For tests and benchmarks: the bytes never depend on it.
+    """
+    return dict(zip(("undecided", "exact"), (int(v) for v in _ops().last_fp64_counts())))
 
 
 def det_gemm_partial(

@@ -1,0 +1,121 @@
+// CPU kernels of the fp64 route (scheme and proof: csrc/fp64_bound.h; driver: fp64_bound_host.h).
+//
+// Not the CPU's auto choice (its integer slices stay): the route runs here when a gemm_path
+// forces it, so CPU CI checks the decision and the recomputation the GPU runs, on the same
+// header's arithmetic, against the long accumulator.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "cpu/fp_env.h"
+#include "fp64_bound_host.h"
+#include "window_acc.h"
+
+namespace ldet {
+namespace {
+
+void fp64_gemm_cpu(const at::Tensor& xd, const at::Tensor& wd, at::Tensor& D) {
+  // any fp64 GEMM serves: the bound holds for every order of its additions, and charges each
+  // rounding 2u, so even a caller's directed rounding mode inside the BLAS is covered
+  at::mm_out(D, xd, wd.t());
+}
+
+at::Tensor row_norms_cpu(const at::Tensor& a) {
+  const int64_t R = a.size(0), K = a.size(1);
+  at::Tensor out = at::empty({R}, a.options().dtype(at::kDouble));
+  const Elems e = elems_of(a);
+  double* o = out.data_ptr<double>();
+  ieee_parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      double q = 0.0;
+      for (int64_t k = 0; k < K; ++k) q += e.at(r, k) * e.at(r, k);  // each square exact
+      o[r] = norm_upper(q, K);
+    }
+  });
+  return out;
+}
+
+void store_out(void* out, int64_t i, float v, int fmt) { store_fmt(out, i, v, fmt); }
+
+void decide_cpu(const at::Tensor& D, const at::Tensor& ux, const at::Tensor& uw, const at::Tensor& bias, int64_t K,
+                int64_t n0, int fmt, at::Tensor& out) {
+  const int64_t M = D.size(0), n = D.size(1), N = out.size(1);
+  const double* d = D.data_ptr<double>();
+  const double* px = ux.data_ptr<double>();
+  const double* pw = uw.data_ptr<double>() + n0;
+  const double* pb = bias.defined() ? bias.data_ptr<double>() + n0 : nullptr;
+  void* o = out.data_ptr();
+  const float mark = float_of(0x7fc00000u);
+  ieee_parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t j = 0; j < n; ++j) {
+        float v;
+        const double b = pb ? pb[j] : 0.0;
+        if (!round_if_decided(d[m * n + j], gemm_radius(px[m], pw[j], K), b, fmt, &v)) v = mark;
+        store_out(o, m * N + n0 + j, v, fmt);
+      }
+    }
+  });
+}
+
+bool marked(const void* out, int64_t i, int fmt) {
+  if (fmt == kFmtF32) return undecided_mark_f32(bits_of(static_cast<const float*>(out)[i]));
+  return undecided_mark_16(static_cast<const uint16_t*>(out)[i], fmt);
+}
+
+void fix_cpu(const at::Tensor& xa, const at::Tensor& wa, const at::Tensor& bias, const at::Tensor& ux,
+             const at::Tensor& uw, int fmt, at::Tensor& out, at::Tensor& counts) {
+  const int64_t M = out.size(0), N = out.size(1), K = xa.size(1);
+  const Elems x = elems_of(xa), w = elems_of(wa);
+  const double* px = ux.data_ptr<double>();
+  const double* pw = uw.data_ptr<double>();
+  const double* pb = bias.defined() ? bias.data_ptr<double>() : nullptr;
+  void* o = out.data_ptr();
+  int64_t* cnt = counts.data_ptr<int64_t>();
+  std::vector<int64_t> marked_rows(size_t(M), 0), digit_rows(size_t(M), 0);
+  ieee_parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t n = 0; n < N; ++n) {
+        const int64_t i = m * N + n;
+        if (!marked(o, i, fmt)) continue;
+        ++marked_rows[size_t(m)];
+        const double b = pb ? pb[n] : 0.0;
+        CompensatedSum cs;
+        for (int64_t k = 0; k < K; ++k) cs.add(x.at(m, k) * w.at(n, k));  // exact products
+        float v;
+        if (!round_compensated(cs, px[m], pw[n], K, b, fmt, &v)) {
+          ++digit_rows[size_t(m)];
+          int64_t acc[LDET_WORDS];
+          zero(acc);
+          WindowAcc win;
+          for (int64_t k = 0; k < K; ++k) {
+            window_add(win, acc, x.at(m, k) * w.at(n, k));
+            if (((k + 1) & (LDET_NORM_INTERVAL - 1)) == 0) normalize(acc);
+          }
+          window_flush(win, acc);
+          if (pb != nullptr) add_value(acc, b);
+          normalize(acc);
+          v = finalize_fmt(acc, fmt);
+        }
+        store_out(o, i, v, fmt);
+      }
+    }
+  });
+  for (int64_t m = 0; m < M; ++m) {
+    cnt[0] += marked_rows[size_t(m)];
+    cnt[1] += digit_rows[size_t(m)];
+  }
+}
+
+}  // namespace
+
+const Fp64Backend& fp64_backend_cpu() {
+  static const Fp64Backend be{&fp64_gemm_cpu, &row_norms_cpu, &decide_cpu, &fix_cpu,
+                              // never in auto mode: the slices / CRT stay the CPU's choice (header)
+                              0};
+  return be;
+}
+
+}  // namespace ldet

@@ -1,0 +1,164 @@
+// Rounded GEMM outputs from one fp64 GEMM and a proven error bound ("the fp64 route"): the
+// per-output arithmetic shared by the CPU and CUDA builds (csrc/fp64_bound_host.h drives it).
+//
+// Why: exactness only has to reach the one rounding. For fp32 operands the integer slices need
+// 25 int8 GEMMs (int_slices.h), 7.5 of the det_ddp step's 12.6 ms of GPU work, where one fp64
+// GEMM of the widened operands costs about what an fp32 GEMM does (cuBLAS DGEMM 55-64 TFLOP/s
+// on the H100/H200 against 51 for SGEMM). What it returns is not exact, but how far it can be
+// from exact is known, and most outputs lie far from every rounding boundary.
+//
+// The proof. Every product of two fp32 / bf16 / fp16 values is exact in fp64 (at most 48
+// significand bits, exponents far inside fp64's range). The GEMM then adds the K exact products
+// of an output with K - 1 roundings in whatever order (and blocking, split-K, fused multiply-add)
+// the library picks; for any such order (Higham, "Accuracy and Stability of Numerical
+// Algorithms", 2nd ed., sec. 3.1 and 4.2)
+//     |D - P| <= gamma_{K-1} sum_k |x_k w_k| <= gamma_K ||x_m||_2 ||w_n||_2,  gamma_n = n u / (1 - n u)
+// with u = 2^-53 when each rounding is to nearest (Cauchy-Schwarz for the second step). The route
+// charges every rounding 2u, the error bound of any faithful rounding, so a library or tensor
+// core that truncates is covered too (gemm_radius). ||x_m|| and ||w_n|| enter as upper bounds
+// from an fp64 sum of squares (norm_upper). So P + b lies in [D - E + b, D + E + b]; rounding is
+// monotone, so when both ends round to one value, that is the rounding of P + b: the contract's
+// one rounding (round_if_decided). The bias joins with its own roundings' slack.
+//
+// The rest ("undecided": an interval holding a rounding boundary or a zero; for random data
+// ~0.1% of outputs at K = 1024 and ~0.9% at K = 4096) are computed again from the operands:
+//   1. a compensated sum (every addition's rounding error kept exactly by TwoSum, the errors
+//      summed apart): its error is below 2 ((K + 64) u)^2 ||x_m|| ||w_n|| (compensated_radius),
+//      which leaves only outputs within ~2^-52 |P| of a boundary undecided: exact ties, zeros;
+//   2. those by the long accumulator (exact), as every other route would.
+// Every output is therefore the exact sum rounded once: the same bytes as every other route,
+// whichever outputs each step happened to decide (that choice may even vary between runs).
+// Preconditions: the GEMM computes in IEEE fp64 (native: fp64_gemm_lt asks for cuBLASLt's
+// CUBLAS_COMPUTE_64F, not its emulated fp64), and K u <= 2^-20 (K <= 2^33).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "longacc.h"
+
+namespace ldet {
+
+// Upper bound of sqrt(sum_k a_k^2) from s, an fp64 sum (any order) of K exact squares: the sum
+// of squares is at most s / (1 - gamma_{K-1}) <= s (1 + (K + 2) 2^-52); the multiplication, the
+// square root (correctly rounded on both devices) and its scaling each round by at most 2^-53,
+// which the 2^-50 covers.
+LDET_HD double norm_upper(double s, int64_t K) {
+  return sqrt(s * (1.0 + double(K + 2) * 0x1p-52)) * (1.0 + 0x1p-50);
+}
+
+// E >= gamma'_K ux uw, gamma' = 2 K u / (1 - 2 K u) <= 2 K u (1 + 2^-17): the GEMM's error bound
+// with 2u charged per rounding; (1 + 2^-16) also covers the two roundings of this product.
+LDET_HD double gemm_radius(double ux, double uw, int64_t K) {
+  return (ux * uw) * (double(K) * 0x1p-52 * (1.0 + 0x1p-16));
+}
+
+// The compensated sum's error bound (header comment, step 1): ((K + 64) u)^2 (1 + 2^-15)
+// ux uw for a tree of at most K + 64 levels, doubled for this product's roundings.
+LDET_HD double compensated_radius(double ux, double uw, int64_t K) {
+  const double t = double(K + 64) * 0x1p-53;
+  return (ux * uw) * (2.0 * t * t);
+}
+
+// s + e == a + b exactly, s = fl(a + b) (Knuth's TwoSum: no ordering of |a|, |b| needed; every
+// operation rounds to nearest: the build keeps the compiler from contracting it into FMAs).
+LDET_HD void two_sum(double a, double b, double& s, double& e) {
+  s = a + b;
+  const double bb = s - a;
+  e = (a - (s - bb)) + (b - bb);
+}
+
+// v (finite fp64) rounded once, to nearest-even, into a float with `prec` significand bits whose
+// smallest subnormal is 2^emin_ulp and whose values stop below 2^emax_excl: the same ulp choice,
+// ties, overflow and signed zero as round_acc (longacc.h) gives the same value held in digits.
+LDET_HD float round_double_prec(double v, int prec, int emin_ulp, int emax_excl) {
+  const uint64_t u = bits_of(v);
+  const bool neg = (u >> 63) != 0;
+  const int e = int((u >> 52) & 0x7ff);
+  uint64_t m = u & ((uint64_t(1) << 52) - 1);
+  int E;  // |v| = m 2^E
+  if (e == 0) {
+    E = -1074;
+  } else {
+    m |= uint64_t(1) << 52;
+    E = e - 1075;
+  }
+  if (m == 0) return neg ? -0.0f : 0.0f;
+  const int p = 63 - clz64(m) + E;  // |v| in [2^p, 2^(p+1))
+  int ulp = p - (prec - 1);
+  if (ulp < emin_ulp) ulp = emin_ulp;
+  const int s = ulp - E;  // low bits of m dropped
+  uint64_t q;
+  bool round_bit, sticky;
+  if (s <= 0) {
+    q = m << (-s);  // exact: then m < 2^prec (v's own ulp is at least the format's)
+    round_bit = sticky = false;
+  } else if (s >= 64) {
+    q = 0;  // m < 2^53 lies wholly below half an ulp
+    round_bit = false;
+    sticky = true;
+  } else {
+    q = m >> s;
+    round_bit = ((m >> (s - 1)) & 1) != 0;
+    sticky = (m & ((uint64_t(1) << (s - 1)) - 1)) != 0;
+  }
+  return round_finish(neg, q, ulp, round_bit, sticky, emax_excl);
+}
+
+LDET_HD float round_double_prec_fmt(double v, int fmt) {
+  if (fmt == kFmtBF16) return round_double_prec(v, 8, -133, 128);
+  if (fmt == kFmtF16) return round_double_prec(v, 11, -24, 16);
+  return round_double_prec(v, 24, -149, 128);
+}
+
+// When every value v + b with |v - c| <= r rounds to the same value of fmt: true, that value in
+// *out. False when the interval holds a rounding boundary, a zero (an exact zero reads +0.0, a
+// negative value that rounds to zero -0.0: only the exact sum can tell), or anything is not
+// finite. b: the bias as fp64 (exact), or 0. The slack, 2^-50 (|c| + r + |b|), exceeds the
+// rounding errors of the three operations forming each end (each below 2^-53 of that sum, fp64
+// subnormals never arise: every nonzero term is at least 2^-400), so [lo, hi] holds the interval.
+LDET_HD bool round_if_decided(double c, double r, double b, int fmt, float* out) {
+  if (!(is_finite(c) && is_finite(r) && is_finite(b))) return false;
+  const double slack = ((c < 0 ? -c : c) + r + (b < 0 ? -b : b)) * 0x1p-50;
+  const double lo = ((c - r) + b) - slack, hi = ((c + r) + b) + slack;
+  if (!(lo > 0.0 || hi < 0.0)) return false;
+  const float a = round_double_prec_fmt(lo, fmt), z = round_double_prec_fmt(hi, fmt);
+  if (bits_of(a) != bits_of(z)) return false;
+  *out = a;
+  return true;
+}
+
+// The compensated sum of one output (header comment, step 1), as a lane or a thread builds it:
+// s the running sum, c the sum of the additions' exact errors; P = s + c up to the radius.
+struct CompensatedSum {
+  double s = 0.0, c = 0.0;
+  LDET_HD void add(double p) {
+    double e;
+    two_sum(s, p, s, e);
+    c += e;
+  }
+  // Merges another partial sum (a tree level): the errors of both and of this addition.
+  LDET_HD void merge(const CompensatedSum& o) {
+    double e;
+    two_sum(s, o.s, s, e);
+    c = (c + o.c) + e;
+  }
+};
+
+// The decision after the compensated sum: its centre s + c rounds once more (2^-52 |centre|
+// charged for it), then round_if_decided.
+LDET_HD bool round_compensated(const CompensatedSum& cs, double ux, double uw, int64_t K, double b, int fmt,
+                               float* out) {
+  const double c = cs.s + cs.c;
+  const double r = compensated_radius(ux, uw, K) + (c < 0 ? -c : c) * 0x1p-52;
+  return round_if_decided(c, r, b, fmt, out);
+}
+
+// Whether a stored output is the decision pass's mark for "undecided": a NaN, which no decided
+// output is (round_if_decided needs finite ends; their roundings are finite or +-inf).
+LDET_HD bool undecided_mark_f32(uint32_t bits) { return (bits & 0x7fffffffu) > 0x7f800000u; }
+LDET_HD bool undecided_mark_16(uint16_t bits, int fmt) {
+  return fmt == kFmtBF16 ? (bits & 0x7fffu) > 0x7f80u : (bits & 0x7fffu) > 0x7c00u;
+}
+
+}  // namespace ldet

@@ -1,0 +1,88 @@
+// Host side of the fp64 route (csrc/fp64_bound.h has the scheme and its proof).
+//
+// gemm_fp64_bound() is tried first by both devices' gemm (rounded outputs only: digits need the
+// exact sum itself, which the slices give). It returns an undefined tensor when the route does
+// not apply (switched off, auto mode and not worth it), and the caller goes on as before.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstdlib>
+
+#include "fp64_bound.h"
+#include "int_slices_host.h"
+#include "op_checks.h"
+#include "uninit.h"
+
+namespace ldet {
+
+struct Fp64Backend {
+  // D (M, nc) fp64 row-major = xd (M, K) . wd (nc, K)^T, both fp64 with unit column stride.
+  void (*gemm)(const at::Tensor& xd, const at::Tensor& wd, at::Tensor& D);
+  // (R,) fp64: norm_upper of each row of a (R, K), fp32 / bf16 / fp16 with unit column stride.
+  at::Tensor (*row_norms)(const at::Tensor& a);
+  // out[:, n0 : n0 + nc] (out (M, N) of fmt, contiguous) := each output's rounding where
+  // round_if_decided proves it from D (M, nc) and the radius, else the undecided mark (a NaN).
+  // ux (M,), uw (N,), bias (N,) fp64 or undefined: whole, indexed from n0.
+  void (*decide)(const at::Tensor& D, const at::Tensor& ux, const at::Tensor& uw, const at::Tensor& bias, int64_t K,
+                 int64_t n0, int fmt, at::Tensor& out);
+  // Every marked output of out recomputed from the operands x (M, K), w (N, K) (as row_norms
+  // takes them): compensated sum, else the long accumulator; counts (2,) int64 += {marked, left
+  // to the long accumulator}.
+  void (*fix)(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, const at::Tensor& ux,
+              const at::Tensor& uw, int fmt, at::Tensor& out, at::Tensor& counts);
+  // Auto mode: the route for rounded outputs with an fp32 operand from this much work (M N K;
+  // 0: never in auto mode).
+  int64_t auto_min_work_fp32;
+};
+
+const Fp64Backend& fp64_backend_cpu();   // csrc/cpu/fp64_bound_cpu.cpp
+const Fp64Backend& fp64_backend_cuda();  // csrc/cuda/fp64_bound_cuda.cu
+
+// The last rounded GEMM of this thread, when it took the fp64 route: (2,) int64 on its device,
+// {outputs the fp64 GEMM's bound left undecided, of those the ones left to the long accumulator};
+// undefined otherwise (lightning_det.ops.last_fp64_counts: tests and benchmarks).
+at::Tensor& last_fp64_counts();
+
+inline at::Tensor gemm_fp64_bound(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias,
+                                  at::ScalarType out_dtype, const Fp64Backend& be) {
+  const int mode = gemm_path();
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = w_in.size(0);
+  last_fp64_counts() = at::Tensor();  // until this call takes the route
+  if (M == 0 || N == 0 || K == 0) return {};
+  if (mode != kPathFp64) {
+    if (mode != kPathAuto || be.auto_min_work_fp32 <= 0) return {};
+    const bool fp32 = x_in.scalar_type() == at::kFloat || w_in.scalar_type() == at::kFloat;
+    if (!fp32 || double(M) * double(N) * double(K) < double(be.auto_min_work_fp32)) return {};
+  }
+  TORCH_CHECK(K <= (int64_t(1) << 33), "x: K = ", K, " exceeds the fp64 route's bound (2^33)");
+  const int fmt = out_format(out_dtype);
+  // row-major operands (DetLinear's backward passes transposed views): the GEMM, the norms and
+  // the recomputation of undecided outputs (a warp along a row) all read rows
+  const at::Tensor x = dense_rows(x_in), w = dense_rows(w_in);
+  const at::Tensor xd = x.to(at::kDouble), wd = w.to(at::kDouble);  // exact widening
+  at::Tensor bd;
+  if (bias.has_value()) bd = bias->to(at::kDouble).contiguous();
+  const at::Tensor ux = be.row_norms(x), uw = be.row_norms(w);
+  at::Tensor out = uninit({M, N}, x_in.options().dtype(out_dtype));  // decide writes every output
+  at::Tensor counts = at::zeros({2}, x_in.options().dtype(at::kLong));
+
+  // N in chunks so the fp64 products D stay within ~256 MiB (they live at the step's peak).
+  int64_t cap_mib = 256;
+  if (const char* env = std::getenv("LIGHTNING_DET_FP64_CHUNK_MIB")) cap_mib = std::max<int64_t>(1, std::atoll(env));
+  const int64_t nc = std::min<int64_t>(N, std::max<int64_t>(8, ((cap_mib << 20) / (8 * M)) / 8 * 8));
+  for (int64_t n0 = 0; n0 < N; n0 += nc) {
+    const int64_t n = std::min(nc, N - n0);
+    at::Tensor D = uninit({M, n}, xd.options());  // the GEMM writes all of it
+    be.gemm(xd, n0 == 0 && n == N ? wd : wd.narrow(0, n0, n), D);
+    be.decide(D, ux, uw, bd, K, n0, fmt, out);
+  }
+  be.fix(x, w, bd, ux, uw, fmt, out, counts);
+  last_fp64_counts() = counts;
+  return out;
+}
+
+}  // namespace ldet
