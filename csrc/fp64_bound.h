@@ -22,9 +22,10 @@
 //
 // The rest ("undecided": an interval holding a rounding boundary or a zero; for random data
 // ~0.1% of outputs at K = 1024 and ~0.9% at K = 4096) are computed again from the operands:
-//   1. a compensated sum (every addition's rounding error kept exactly by TwoSum, the errors
-//      summed apart): its error is below 2 ((K + 64) u)^2 ||x_m|| ||w_n|| (compensated_radius),
-//      which leaves only outputs within ~2^-52 |P| of a boundary undecided: exact ties, zeros;
+//   1. an fp64 sum of the exact products in an order of known depth d (every product passes
+//      through at most d additions; d ~ K / 128 on the GPU): |S - P| <= gamma_d sum |x_k w_k|
+//      (ordered_radius), ~K / d times tighter than the GEMM's bound, so about one output in 200
+//      of those stays undecided, mostly exact ties and zeros;
 //   2. those by the long accumulator (exact), as every other route would.
 // Every output is therefore the exact sum rounded once: the same bytes as every other route,
 // whichever outputs each step happened to decide (that choice may even vary between runs).
@@ -53,19 +54,11 @@ LDET_HD double gemm_radius(double ux, double uw, int64_t K) {
   return (ux * uw) * (double(K) * 0x1p-52 * (1.0 + 0x1p-16));
 }
 
-// The compensated sum's error bound (header comment, step 1): ((K + 64) u)^2 (1 + 2^-15)
-// ux uw for a tree of at most K + 64 levels, doubled for this product's roundings.
-LDET_HD double compensated_radius(double ux, double uw, int64_t K) {
-  const double t = double(K + 64) * 0x1p-53;
-  return (ux * uw) * (2.0 * t * t);
-}
-
-// s + e == a + b exactly, s = fl(a + b) (Knuth's TwoSum: no ordering of |a|, |b| needed; every
-// operation rounds to nearest: the build keeps the compiler from contracting it into FMAs).
-LDET_HD void two_sum(double a, double b, double& s, double& e) {
-  s = a + b;
-  const double bb = s - a;
-  e = (a - (s - bb)) + (b - bb);
+// The recomputation's error bound (header comment, step 1): an fp64 sum of exact products in
+// which each passes through at most `depth` roundings to nearest errs by at most gamma_depth
+// sum |p| <= depth u (1 + 2^-20) ux uw; (1 + 2^-16) also covers this product's roundings.
+LDET_HD double ordered_radius(double ux, double uw, int64_t depth) {
+  return (ux * uw) * (double(depth) * 0x1p-53 * (1.0 + 0x1p-16));
 }
 
 // v (finite fp64) rounded once, to nearest-even, into a float with `prec` significand bits whose
@@ -105,10 +98,13 @@ LDET_HD float round_double_prec(double v, int prec, int emin_ulp, int emax_excl)
   return round_finish(neg, q, ulp, round_bit, sticky, emax_excl);
 }
 
+// fp32: the IEEE conversion, which rounds the same way (ties to even, +-inf past the largest
+// value, subnormals, a negative value rounding to zero gives -0.0); the CPU ops run it under the
+// default floating-point environment (cpu/fp_env.h), the CUDA build has no flush-to-zero.
 LDET_HD float round_double_prec_fmt(double v, int fmt) {
   if (fmt == kFmtBF16) return round_double_prec(v, 8, -133, 128);
   if (fmt == kFmtF16) return round_double_prec(v, 11, -24, 16);
-  return round_double_prec(v, 24, -149, 128);
+  return float(v);
 }
 
 // When every value v + b with |v - c| <= r rounds to the same value of fmt: true, that value in
@@ -128,30 +124,10 @@ LDET_HD bool round_if_decided(double c, double r, double b, int fmt, float* out)
   return true;
 }
 
-// The compensated sum of one output (header comment, step 1), as a lane or a thread builds it:
-// s the running sum, c the sum of the additions' exact errors; P = s + c up to the radius.
-struct CompensatedSum {
-  double s = 0.0, c = 0.0;
-  LDET_HD void add(double p) {
-    double e;
-    two_sum(s, p, s, e);
-    c += e;
-  }
-  // Merges another partial sum (a tree level): the errors of both and of this addition.
-  LDET_HD void merge(const CompensatedSum& o) {
-    double e;
-    two_sum(s, o.s, s, e);
-    c = (c + o.c) + e;
-  }
-};
-
-// The decision after the compensated sum: its centre s + c rounds once more (2^-52 |centre|
-// charged for it), then round_if_decided.
-LDET_HD bool round_compensated(const CompensatedSum& cs, double ux, double uw, int64_t K, double b, int fmt,
-                               float* out) {
-  const double c = cs.s + cs.c;
-  const double r = compensated_radius(ux, uw, K) + (c < 0 ? -c : c) * 0x1p-52;
-  return round_if_decided(c, r, b, fmt, out);
+// The decision after the recomputation: S, the sum of the exact products in an order of the
+// given depth (ordered_radius), for the output whose operand rows have norm bounds ux, uw.
+LDET_HD bool round_ordered(double S, double ux, double uw, int64_t depth, double b, int fmt, float* out) {
+  return round_if_decided(S, ordered_radius(ux, uw, depth), b, fmt, out);
 }
 
 // Whether a stored output is the decision pass's mark for "undecided": a NaN, which no decided

@@ -2,11 +2,13 @@
 //
 // Not the CPU's auto choice (its integer slices stay): the route runs here when a gemm_path
 // forces it, so CPU CI checks the decision and the recomputation the GPU runs, on the same
-// header's arithmetic, against the long accumulator.
+// header's arithmetic, against the long accumulator. No lists: fix sweeps the output's marks.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "cpu/fp_env.h"
@@ -16,31 +18,37 @@
 namespace ldet {
 namespace {
 
+constexpr int64_t kChunk = 32;  // the recomputation's sum: chunks of 32 products, then the chunks
+
+std::pair<at::Tensor, at::Tensor> widen_cpu(const at::Tensor& a) {
+  const int64_t R = a.size(0), K = a.size(1);
+  at::Tensor ad = at::empty({R, K}, a.options().dtype(at::kDouble));
+  at::Tensor norms = at::empty({R}, a.options().dtype(at::kDouble));
+  const Elems e = elems_of(a);
+  double* d = ad.data_ptr<double>();
+  double* o = norms.data_ptr<double>();
+  ieee_parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      double q = 0.0;
+      for (int64_t k = 0; k < K; ++k) {
+        const double v = e.at(r, k);  // exact widening
+        d[r * K + k] = v;
+        q += v * v;  // each square exact; any order: norm_upper allows it
+      }
+      o[r] = norm_upper(q, K);
+    }
+  });
+  return {ad, norms};
+}
+
 void fp64_gemm_cpu(const at::Tensor& xd, const at::Tensor& wd, at::Tensor& D) {
   // any fp64 GEMM serves: the bound holds for every order of its additions, and charges each
   // rounding 2u, so even a caller's directed rounding mode inside the BLAS is covered
   at::mm_out(D, xd, wd.t());
 }
 
-at::Tensor row_norms_cpu(const at::Tensor& a) {
-  const int64_t R = a.size(0), K = a.size(1);
-  at::Tensor out = at::empty({R}, a.options().dtype(at::kDouble));
-  const Elems e = elems_of(a);
-  double* o = out.data_ptr<double>();
-  ieee_parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      double q = 0.0;
-      for (int64_t k = 0; k < K; ++k) q += e.at(r, k) * e.at(r, k);  // each square exact
-      o[r] = norm_upper(q, K);
-    }
-  });
-  return out;
-}
-
-void store_out(void* out, int64_t i, float v, int fmt) { store_fmt(out, i, v, fmt); }
-
 void decide_cpu(const at::Tensor& D, const at::Tensor& ux, const at::Tensor& uw, const at::Tensor& bias, int64_t K,
-                int64_t n0, int fmt, at::Tensor& out) {
+                int64_t n0, int fmt, at::Tensor& out, Fp64Lists&) {
   const int64_t M = D.size(0), n = D.size(1), N = out.size(1);
   const double* d = D.data_ptr<double>();
   const double* px = ux.data_ptr<double>();
@@ -54,7 +62,7 @@ void decide_cpu(const at::Tensor& D, const at::Tensor& ux, const at::Tensor& uw,
         float v;
         const double b = pb ? pb[j] : 0.0;
         if (!round_if_decided(d[m * n + j], gemm_radius(px[m], pw[j], K), b, fmt, &v)) v = mark;
-        store_out(o, m * N + n0 + j, v, fmt);
+        store_fmt(o, m * N + n0 + j, v, fmt);
       }
     }
   });
@@ -66,14 +74,15 @@ bool marked(const void* out, int64_t i, int fmt) {
 }
 
 void fix_cpu(const at::Tensor& xa, const at::Tensor& wa, const at::Tensor& bias, const at::Tensor& ux,
-             const at::Tensor& uw, int fmt, at::Tensor& out, at::Tensor& counts) {
+             const at::Tensor& uw, int fmt, at::Tensor& out, Fp64Lists& lists) {
   const int64_t M = out.size(0), N = out.size(1), K = xa.size(1);
   const Elems x = elems_of(xa), w = elems_of(wa);
   const double* px = ux.data_ptr<double>();
   const double* pw = uw.data_ptr<double>();
   const double* pb = bias.defined() ? bias.data_ptr<double>() : nullptr;
+  // each product passes through at most kChunk additions in its chunk and one per later chunk
+  const int64_t depth = kChunk + (K + kChunk - 1) / kChunk;
   void* o = out.data_ptr();
-  int64_t* cnt = counts.data_ptr<int64_t>();
   std::vector<int64_t> marked_rows(size_t(M), 0), digit_rows(size_t(M), 0);
   ieee_parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
@@ -82,10 +91,14 @@ void fix_cpu(const at::Tensor& xa, const at::Tensor& wa, const at::Tensor& bias,
         if (!marked(o, i, fmt)) continue;
         ++marked_rows[size_t(m)];
         const double b = pb ? pb[n] : 0.0;
-        CompensatedSum cs;
-        for (int64_t k = 0; k < K; ++k) cs.add(x.at(m, k) * w.at(n, k));  // exact products
+        double S = 0.0;
+        for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+          double c = 0.0;
+          for (int64_t k = k0; k < std::min(K, k0 + kChunk); ++k) c += x.at(m, k) * w.at(n, k);  // exact products
+          S += c;
+        }
         float v;
-        if (!round_compensated(cs, px[m], pw[n], K, b, fmt, &v)) {
+        if (!round_ordered(S, px[m], pw[n], depth, b, fmt, &v)) {
           ++digit_rows[size_t(m)];
           int64_t acc[LDET_WORDS];
           zero(acc);
@@ -99,20 +112,23 @@ void fix_cpu(const at::Tensor& xa, const at::Tensor& wa, const at::Tensor& bias,
           normalize(acc);
           v = finalize_fmt(acc, fmt);
         }
-        store_out(o, i, v, fmt);
+        store_fmt(o, i, v, fmt);
       }
     }
   });
+  int64_t* cnt = lists.counts.data_ptr<int64_t>();
   for (int64_t m = 0; m < M; ++m) {
     cnt[0] += marked_rows[size_t(m)];
     cnt[1] += digit_rows[size_t(m)];
   }
 }
 
+int64_t no_lists(int64_t) { return 0; }
+
 }  // namespace
 
 const Fp64Backend& fp64_backend_cpu() {
-  static const Fp64Backend be{&fp64_gemm_cpu, &row_norms_cpu, &decide_cpu, &fix_cpu,
+  static const Fp64Backend be{&widen_cpu, &fp64_gemm_cpu, &decide_cpu, &fix_cpu, &no_lists,
                               // never in auto mode: the slices / CRT stay the CPU's choice (header)
                               0};
   return be;
