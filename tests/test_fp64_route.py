@@ -180,7 +180,7 @@ def test_cuda_matches_cpu(out_dtype):
             assert counts["undecided"] > 0, counts
         if i == 2:
             assert counts["exact"] > 0, counts
-        if i == 4:
+        if i == 4 and out_dtype == torch.float32:  # (bf16 / fp16: these tiny outputs round to zeros)
             assert counts["undecided"] > 400 * 300 // 8 + 1024, counts
     # transposed operands on the GPU (DetLinear's backward)
     a, c = gen.normal((513, 257), seed=25), gen.normal((513, 129), seed=26)
