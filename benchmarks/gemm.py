@@ -3,6 +3,7 @@
     python benchmarks/gemm.py                # CPU at 512^3, normal data
     python benchmarks/gemm.py --device cuda  # GPU at 1024^3 and 4096^3: normal, real and wide data
     python benchmarks/gemm.py --sizes 256 --data normal,real --out /tmp/gemm.json
+    python benchmarks/gemm.py --device cuda --sizes 4096 --data wide --dtypes float32 --routes fp64,kernel
 
 Writes benchmarks/results/<device>-gemm.json (or --out) with rows of
 {op, dtype, data, M, N, K, ours_tflops, baseline_tflops, ratio, baseline, fp32_mm_tflops, source,
@@ -15,12 +16,13 @@ forced: one int8 GEMM per diagonal of slice pairs, or per CRT modulus (csrc/crt.
 they cannot cover the products and the diagonals ran), fp64_* the fp64 route (csrc/fp64_bound.h;
 fp64_undecided / fp64_exact: the shares of outputs its bound left to the compensated sum / of those
 to the long accumulator), and routes_same_bytes checks that all of them returned the same bits on
-these operands.
+these operands. --routes times only some of those routes (the others' fields are then absent).
 
 Data kinds (--data), each an (M, K) x and an (N, K) w for det_gemm(x, w) = x @ w.T:
   normal  torch.randn, seeds 1 and 2 (fp32 and bf16).
   wide    adversarial: |values| in [1, 2) * 2^e, e uniform in [-40, 40], random signs; defeats the
-          fast path (bf16 only).
+          slices' fast path (bf16 by default; --dtypes float32 for the fp64 route's own row, best with
+          --routes fp64,kernel: the slices take seconds a call there).
   real    values of the example model (examples/gpt_char.py after a short fp32 CPU training run;
           benchmarks/_real_data.py says exactly how they are captured), one layer per --layers
           entry and one row per GEMM of that layer (fp32 and bf16, rounded to nearest from fp32):
@@ -79,7 +81,10 @@ def log2_span(t):
     return None if nz.numel() == 0 else float(torch.log2(nz.max()) - torch.log2(nz.min()))
 
 
-def bench(device, x, w, dtype, kind, source, repeat):
+ROUTES = ("kernel", "slices", "slices_diagonals", "slices_crt", "fp64")
+
+
+def bench(device, x, w, dtype, kind, source, repeat, timed_routes=ROUTES):
     x, w = x.to(dtype).to(device), w.to(dtype).to(device)
     (M, K), N = x.shape, w.shape[0]
     flops = 2.0 * M * N * K
@@ -87,7 +92,7 @@ def bench(device, x, w, dtype, kind, source, repeat):
     # each exact route on its own, and the proof that they agree on these operands
     routes, outs, plans = {}, {"auto": det_gemm(x, w)}, {}
     fp64_counts = {}
-    for route in ("kernel", "slices", "slices_diagonals", "slices_crt", "fp64"):
+    for route in timed_routes:
         with gemm_path(route):
             routes[route] = time_fn(lambda: det_gemm(x, w), device, warmup=1, repeat=repeat)
             outs[route] = det_gemm(x, w)
@@ -97,8 +102,10 @@ def bench(device, x, w, dtype, kind, source, repeat):
                 with slices_guess("sync"):  # how the slices cut these operands (a guessed plan has no counts)
                     det_gemm(x, w)
                     plans[route] = last_slices_plan()
-    plan, crt_moduli = plans["slices"], plans["slices_crt"]["moduli"]
-    same = all(torch.equal(outs[r].view(torch.int32), outs["kernel"].view(torch.int32)) for r in outs)
+    ref = outs[timed_routes[0]] if timed_routes else outs["auto"]
+    same = all(torch.equal(o.view(torch.int32) if o.dtype == torch.float32 else o.view(torch.int16),
+                           ref.view(torch.int32) if ref.dtype == torch.float32 else ref.view(torch.int16))
+               for o in outs.values())
     base = time_fn(lambda: torch.mm(x, w.T), device, warmup=2, repeat=max(repeat, 5))
     xf, wf = x.float(), w.float()
     fp32 = time_fn(lambda: torch.mm(xf, wf.T), device, warmup=2, repeat=max(repeat, 5))
@@ -108,26 +115,35 @@ def bench(device, x, w, dtype, kind, source, repeat):
         "ratio": base / ours, "baseline": f"torch.mm {str(dtype).replace('torch.', '')}",
         "fp32_mm_tflops": flops / fp32 / 1e12, "ratio_vs_fp32_mm": fp32 / ours,
         "source": source, "x_log2_span": log2_span(x), "w_log2_span": log2_span(w),
-        "kernel_tflops": flops / routes["kernel"] / 1e12, "slices_tflops": flops / routes["slices"] / 1e12,
-        "kernel_ratio_vs_fp32_mm": fp32 / routes["kernel"], "slices_ratio_vs_fp32_mm": fp32 / routes["slices"],
-        "routes_same_bytes": same, "slices_plan": plan,
-        # the slices' two ways on their own: one int8 GEMM per diagonal of slice pairs, or per CRT
-        # modulus (csrc/crt.h; 0 moduli: they cannot cover these products and the diagonals ran)
-        "diagonals_ratio_vs_fp32_mm": fp32 / routes["slices_diagonals"],
-        "crt_moduli": crt_moduli, "crt_ratio_vs_fp32_mm": fp32 / routes["slices_crt"],
-        # the fp64 route (csrc/fp64_bound.h) and the share of outputs its bound left undecided
-        "fp64_ratio_vs_fp32_mm": fp32 / routes["fp64"], "fp64_undecided": fp64_counts.get("undecided", 0) / (M * N),
-        "fp64_exact": fp64_counts.get("exact", 0) / (M * N),
+        "routes_timed": list(timed_routes), "routes_same_bytes": same,
     }
+    if "kernel" in routes:
+        row.update(kernel_tflops=flops / routes["kernel"] / 1e12, kernel_ratio_vs_fp32_mm=fp32 / routes["kernel"])
+    if "slices" in routes:
+        row.update(slices_tflops=flops / routes["slices"] / 1e12, slices_ratio_vs_fp32_mm=fp32 / routes["slices"],
+                   slices_plan=plans["slices"])
+    # the slices' two ways on their own: one int8 GEMM per diagonal of slice pairs, or per CRT
+    # modulus (csrc/crt.h; 0 moduli: they cannot cover these products and the diagonals ran)
+    if "slices_diagonals" in routes:
+        row["diagonals_ratio_vs_fp32_mm"] = fp32 / routes["slices_diagonals"]
+    if "slices_crt" in routes:
+        row.update(crt_moduli=plans["slices_crt"]["moduli"], crt_ratio_vs_fp32_mm=fp32 / routes["slices_crt"])
+    if "fp64" in routes:  # the fp64 route (csrc/fp64_bound.h) and the share of outputs its bound left undecided
+        row.update(fp64_ratio_vs_fp32_mm=fp32 / routes["fp64"],
+                   fp64_undecided=fp64_counts.get("undecided", 0) / (M * N),
+                   fp64_exact=fp64_counts.get("exact", 0) / (M * N))
     what = f"{kind} {source['layer']} {source['gemm']}" if kind == "real" else kind
+    parts = [f"{r} {fp32 / t:.4f}" for r, t in routes.items()]
+    if "slices" in plans:
+        p = plans["slices"]
+        parts.append(f"slices {p['slices_x']}x{p['slices_w']}, residues {p['residues_x']}/{p['residues_w']}")
+    if "slices_crt" in plans:
+        parts.append(f"crt moduli {plans['slices_crt']['moduli']}")
+    if "fp64" in routes:
+        parts.append(f"fp64 undecided {row['fp64_undecided']:.2e}, exact {row['fp64_exact']:.2e}")
     print(f"{row['op']:9s} {row['dtype']:9s} {what:28s} {M:5d}x{N:5d}x{K:5d}  ours {row['ours_tflops']:9.4f} TF/s  "
           f"torch.mm {row['baseline_tflops']:9.3f}  ratio {row['ratio']:.4f}  vs fp32 mm {row['ratio_vs_fp32_mm']:.4f}  "
-          f"(kernel {row['kernel_ratio_vs_fp32_mm']:.4f}, slices {row['slices_ratio_vs_fp32_mm']:.4f}, "
-          f"same bytes {same}; slices {plan['slices_x']}x{plan['slices_w']}, "
-          f"residues {plan['residues_x']}/{plan['residues_w']}; diagonals {row['diagonals_ratio_vs_fp32_mm']:.4f}, "
-          f"crt {row['crt_ratio_vs_fp32_mm']:.4f} with {crt_moduli} moduli; fp64 {row['fp64_ratio_vs_fp32_mm']:.4f}, "
-          f"undecided {row['fp64_undecided']:.2e}, exact {row['fp64_exact']:.2e})",
-          flush=True)
+          f"same bytes {same}  (vs fp32 mm: {'; '.join(parts)})", flush=True)
     return row
 
 
@@ -141,8 +157,23 @@ def main(argv=None):
     p.add_argument("--layers", default="blocks.1.mlp.0",
                    help="comma-separated gpt_char nn.Linear names whose values the real kind uses "
                         "(e.g. blocks.1.attn.qkv, blocks.1.mlp.2, head)")
+    p.add_argument("--dtypes", default=None,
+                   help="comma-separated float32, bfloat16: the element types to run (default: each data kind's own; "
+                        "normal and real run both, wide bf16)")
+    p.add_argument("--routes", default=",".join(ROUTES),
+                   help=f"comma-separated exact routes to time on their own besides auto, among {','.join(ROUTES)} "
+                        "(default: all; '' none)")
     p.add_argument("--out", default=None, help="results path (default: benchmarks/results/<device>-gemm.json)")
     args = p.parse_args(argv)
+    timed_routes = tuple(r for r in args.routes.split(",") if r)
+    if set(timed_routes) - set(ROUTES):
+        p.error(f"--routes: unknown route(s) {sorted(set(timed_routes) - set(ROUTES))}; choose among {list(ROUTES)}")
+    dtypes = None
+    if args.dtypes:
+        names = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+        if set(args.dtypes.split(",")) - set(names):
+            p.error(f"--dtypes: expected a comma-separated subset of {sorted(names)}, got {args.dtypes!r}")
+        dtypes = tuple(names[d] for d in args.dtypes.split(","))
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     gpu = args.device == "cuda"
@@ -166,10 +197,11 @@ def main(argv=None):
     for n in sizes:
         for kind in kinds:
             for x, w, source in cases(kind, n, n, n, layers):
-                for dt in DTYPES[kind]:
+                for dt in dtypes or DTYPES[kind]:
                     # the shared 2-core CPU's timings move by 20-40% from one repeat to the next
                     # (NOTES, session 15): more repeats there, whose median holds still
-                    rows.append(bench(args.device, x, w, dt, kind, source, repeat=3 if gpu else 15))
+                    rows.append(bench(args.device, x, w, dt, kind, source, repeat=3 if gpu else 15,
+                                      timed_routes=timed_routes))
     out = write("gemm", args.device, rows, extra=extra, path=args.out)
     print(f"wrote {out}")
 

@@ -24,7 +24,7 @@ echo "build: $(( $(date +%s) - t0 )) s"
 
 status=0
 # By default every file's CUDA tests.
-ALL="test_cuda_gemm: test_int_slices:cuda test_det_modules:cuda test_adamw_sr:cuda test_digest:cuda
+ALL="test_fp64_route: test_cuda_gemm: test_int_slices:cuda test_det_modules:cuda test_adamw_sr:cuda test_digest:cuda
      test_digest_callback:cuda test_det_cross_entropy:cuda test_ops_api: test_gpt_char:cuda
      test_eager_rounding:cuda test_scatter_sum:cuda test_slices_guess:cuda test_crt_route:cuda
      test_norm_op:cuda test_ce_op:cuda test_trusted_mode: test_gelu_fast: test_combine_rounding:"
