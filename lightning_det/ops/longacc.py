@@ -154,7 +154,7 @@ def gemm_path(path: str) -> Iterator[None]:
             ``"fp64"`` (rounded outputs from one fp64 GEMM whose proven error bound decides each
             output's rounding; the few it cannot decide are recomputed from the operands,
             csrc/fp64_bound.h; "auto" takes it on CUDA for rounded outputs with an fp32
-            operand; digits outputs then go as under "auto": :func:`last_fp64_counts`).
+            operand from M N K >= 2^30, never on the CPU; digits outputs then go as under "auto": :func:`last_fp64_counts`).
 
     Every path returns the same bytes (the exact sum rounded once); the switch exists so tests and
     benchmarks can compare them. Not thread-safe: it sets one process-wide route.
