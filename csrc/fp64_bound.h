@@ -26,7 +26,12 @@
 //      through at most d additions; d ~ K / 128 on the GPU): |S - P| <= gamma_d sum |x_k w_k|
 //      (ordered_radius), ~K / d times tighter than the GEMM's bound, so about one output in 200
 //      of those stays undecided, mostly exact ties and zeros;
-//   2. those by the long accumulator (exact), as every other route would.
+//   2. those (mostly exact ties, e.g. bf16 operands whose sums of 16-bit products land halfway
+//      between two fp32 values, and exact zeros) by a certificate that the fp64 sum was exact:
+//      every product is a multiple of 2^q (q its lowest set bit, at least), and when their
+//      magnitudes sum below 2^(q + 53), every partial sum in any order is a representable
+//      multiple of 2^q, so no addition rounded (round_if_exact);
+//   3. the rest by the long accumulator (exact), as every other route would.
 // Every output is therefore the exact sum rounded once: the same bytes as every other route,
 // whichever outputs each step happened to decide (that choice may even vary between runs).
 // Preconditions: the GEMM computes in IEEE fp64 (native: fp64_gemm_lt asks for cuBLASLt's
@@ -128,6 +133,31 @@ LDET_HD bool round_if_decided(double c, double r, double b, int fmt, float* out)
 // given depth (ordered_radius), for the output whose operand rows have norm bounds ux, uw.
 LDET_HD bool round_ordered(double S, double ux, double uw, int64_t depth, double b, int fmt, float* out) {
   return round_if_decided(S, ordered_radius(ux, uw, depth), b, fmt, out);
+}
+
+// The exponent of the lowest set bit of p, a finite fp64 value that is not fp64-subnormal (every
+// product of two fp32 / bf16 / fp16 values, every such bias): p = odd * 2^result. Zero: kNoBits.
+constexpr int kNoBits = 32767;
+LDET_HD int lowest_bit(double p) { return exp_stat(p).lo; }  // exp_stat: zero -> lo = 32767
+
+// Step 2 of the header comment. S: an fp64 sum, in any order, of the output's K exact products;
+// q: the least lowest_bit over them (kNoBits when all are zero); ux uw >= sum |p_k| (norm_upper
+// and Cauchy-Schwarz). With b joining q, when ux uw + |b| < 2^(q + 52) (the factor 2 below
+// 2^(q + 53) covers this test's two roundings), every partial sum of the products and b is a
+// multiple of 2^q below 2^(q + 53) in magnitude: representable, so every addition was exact, and
+// S + b is the exact sum. True and its rounding in *out (exact zero: +0.0); false otherwise.
+LDET_HD bool round_if_exact(double S, int q, double ux, double uw, double b, int fmt, float* out) {
+  if (!(is_finite(S) && is_finite(ux) && is_finite(uw) && is_finite(b))) return false;
+  if (b != 0.0 && lowest_bit(b) < q) q = lowest_bit(b);
+  if (q >= kNoBits) {  // every product and b zero
+    *out = 0.0f;
+    return true;
+  }
+  // q >= -298 (products of fp32 subnormals) and at most ~2^9: 2^(q + 52) is a normal double
+  if (!((ux * uw) + (b < 0 ? -b : b) < pow2(q + 52))) return false;
+  const double t = S + b;  // exact (above)
+  *out = t == 0.0 ? 0.0f : round_double_prec_fmt(t, fmt);
+  return true;
 }
 
 // Whether a stored output is the decision pass's mark for "undecided": a NaN, which no decided

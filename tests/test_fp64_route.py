@@ -63,9 +63,10 @@ def test_cancellation_against_reference_and_control():
     assert not torch.equal(naive_fp64(x, w), ref), "control: the fp64 GEMM rounded once more got every output right"
 
 
-def test_ties_and_zeros_go_to_the_long_accumulator():
+def test_ties_and_zeros_are_certified_exact():
     # small integers: exact zeros (+0.0 whatever the products' signs) and, scaled into fp32's
-    # subnormals, exact ties between two neighbours: no bound can decide them
+    # subnormals, exact ties between two neighbours: no bound decides them, but their fp64 sums
+    # are exact, which the certificate (csrc/fp64_bound.h, step 2) proves: no long accumulator
     g = torch.Generator().manual_seed(6)
     xi = torch.randint(-3, 4, (40, 96), generator=g).float()
     wi = torch.randint(-3, 4, (30, 96), generator=g).float()
@@ -73,13 +74,68 @@ def test_ties_and_zeros_go_to_the_long_accumulator():
         for out_dtype in SLICE_OUT_DTYPES:
             ref, got, counts = fp64_and_kernel(x, w, None, out_dtype)
             assert_bitwise(got, ref, f"{what}, {out_dtype}")
-            assert counts["exact"] > 0, (what, out_dtype, counts)
+            assert counts["undecided"] > 0 and counts["exact"] == 0, (what, out_dtype, counts)
     ref = R.gemm_rounded(xi * 2.0**-130, wi * 2.0**-20)
     _, got, _ = fp64_and_kernel(xi * 2.0**-130, wi * 2.0**-20)
     assert_bitwise(got, ref, "subnormal ties vs the exact reference")
     _, got, _ = fp64_and_kernel(xi, wi)
     zeros = got == 0
     assert zeros.any() and not torch.signbit(got[zeros]).any(), "an exact zero must read +0.0"
+    # with a bias: the certificate takes the bias's lowest bit too
+    b = torch.tensor([0.5, -0.25, 2.0**-149, 3.0, -0.0] * 6)
+    ref, got, counts = fp64_and_kernel(xi * 2.0**-130, wi * 2.0**-20, b)
+    assert_bitwise(got, ref, "subnormal ties + bias")
+
+
+def bf16_tie_operands(M, N, K, seed):
+    """bf16 integers whose exact dot products (about 2^25-2^26) often lie halfway between two fp32
+    values, as the example model's bf16 activations and weights do (benchmarks/NOTES.md, session 21),
+    and the exact products as int64."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(1, 256, (M, K), generator=g).to(torch.bfloat16)
+    w = torch.randint(-64, 256, (N, K), generator=g).to(torch.bfloat16)
+    return x, w, x.long() @ w.long().T
+
+
+def fp32_ties(exact):
+    """Which int64 values lie exactly halfway between two neighbouring fp32 values."""
+    a = exact.abs()
+    ulp = torch.where(a >= 2**24, 2 ** (torch.floor(torch.log2(a.double())).long() - 23), torch.ones_like(a))
+    return (a >= 2**24) & (a % ulp == ulp // 2)
+
+
+def test_bf16_sums_on_fp32_ties_are_certified():
+    x, w, exact = bf16_tie_operands(48, 40, 4096, seed=30)
+    ties = fp32_ties(exact)
+    assert ties.float().mean() > 0.1, "control: the data holds no exact ties"
+    ref, got, counts = fp64_and_kernel(x, w)
+    assert_bitwise(got, ref, "bf16 ties vs the kernel")
+    assert_bitwise(got, exact.double().float(), "bf16 ties vs the int64 products rounded once")
+    assert counts["undecided"] >= int(ties.sum()), counts  # a tie lies on a rounding boundary
+    assert counts["exact"] == 0, counts
+
+
+def spread_ties(M, N, seed):
+    """(M, 4) x (N, 4) fp32: each output 1 + 2^-24 (a tie: 1.0) or 1 - 2^-24 (an fp32 value) hidden
+    between +-s 2^60: 84 bits apart, beyond the certificate, so the long accumulator decides."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randint(1, 8, (M, 1), generator=g).float() * 2.0**60
+    x = torch.cat([s, torch.ones(M, 1), torch.full((M, 1), 2.0**-24), -s], 1)
+    sign = torch.randint(0, 2, (N, 1), generator=g).float() * 2 - 1
+    w = torch.cat([torch.ones(N, 2), sign, torch.ones(N, 1)], 1)
+    return x, w
+
+
+def test_ties_beyond_the_certificate_go_to_the_long_accumulator():
+    x, w = spread_ties(20, 16, seed=31)
+    ref = R.gemm_rounded(x, w)
+    for out_dtype in SLICE_OUT_DTYPES:
+        kref, got, counts = fp64_and_kernel(x, w, None, out_dtype)
+        assert_bitwise(got, kref, f"spread ties, {out_dtype}")
+        assert counts["exact"] == counts["undecided"] == 20 * 16, (out_dtype, counts)
+    _, got, _ = fp64_and_kernel(x, w)
+    assert_bitwise(got, ref, "spread ties vs the exact reference")
+    assert not torch.equal(naive_fp64(x, w), ref), "control: the fp64 GEMM rounded once more got them right"
 
 
 def test_pair_ties_against_reference_and_control():
@@ -169,6 +225,8 @@ def test_cuda_matches_cpu(out_dtype):
     g = torch.Generator().manual_seed(29)
     cases.append((torch.randint(-3, 4, (400, 64), generator=g).float() * 2.0**-130,
                   torch.randint(-3, 4, (300, 64), generator=g).float() * 2.0**-20, None))
+    cases.append(spread_ties(400, 300, seed=32) + (None,))
+    cases.append(bf16_tie_operands(96, 80, 4096, seed=33)[:2] + (None,))
     for i, (x, w, b) in enumerate(cases):
         with gemm_path("kernel"):
             ref = det_gemm(x, w, b, out_dtype=out_dtype)
@@ -178,10 +236,18 @@ def test_cuda_matches_cpu(out_dtype):
         assert_bitwise(got.cpu(), ref, f"case {i}, {out_dtype}: CUDA fp64 route vs the CPU kernel")
         if i == 0 and out_dtype == torch.float32:
             assert counts["undecided"] > 0, counts
-        if i == 2:
+        if i == 2:  # ties and zeros: the exactness certificate, never the long accumulator
+            assert counts["undecided"] > 0 and counts["exact"] == 0, counts
+        if i == 3:
             assert counts["exact"] > 0, counts
-        if i == 4 and out_dtype == torch.float32:  # (bf16 / fp16: these tiny outputs round to zeros)
-            assert counts["undecided"] > 400 * 300 // 8 + 1024, counts
+        if i == 4:
+            if out_dtype == torch.float32:  # (bf16 / fp16: these tiny outputs round to zeros)
+                assert counts["undecided"] > 400 * 300 // 8 + 1024, counts
+            assert counts["exact"] == 0, counts  # the sweep's certificate
+        if i == 5:  # every output to the long accumulator, most through the sweep
+            assert counts["exact"] == counts["undecided"] == 400 * 300, counts
+        if i == 6:
+            assert counts["undecided"] > 0 and counts["exact"] == 0, counts
     # transposed operands on the GPU (DetLinear's backward)
     a, c = gen.normal((513, 257), seed=25), gen.normal((513, 129), seed=26)
     with gemm_path("kernel"):

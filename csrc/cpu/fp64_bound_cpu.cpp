@@ -98,7 +98,13 @@ void fix_cpu(const at::Tensor& xa, const at::Tensor& wa, const at::Tensor& bias,
           S += c;
         }
         float v;
-        if (!round_ordered(S, px[m], pw[n], depth, b, fmt, &v)) {
+        bool ok = round_ordered(S, px[m], pw[n], depth, b, fmt, &v);
+        if (!ok) {  // S was formed from these products in some order: round_if_exact needs only q
+          int q = kNoBits;
+          for (int64_t k = 0; k < K; ++k) q = std::min(q, lowest_bit(x.at(m, k) * w.at(n, k)));
+          ok = round_if_exact(S, q, px[m], pw[n], b, fmt, &v);
+        }
+        if (!ok) {
           ++digit_rows[size_t(m)];
           int64_t acc[LDET_WORDS];
           zero(acc);

@@ -3,8 +3,8 @@
 // Per GEMM: each operand widened to fp64 with its row norms in the same pass (a warp a row),
 // cuBLASLt's native fp64 GEMM, the decision (a thread an output: one fp64 read, its interval's
 // two roundings, one store; undecided outputs marked and listed with one atomic a warp), then the
-// listed outputs recomputed by a warp each (an fp64 sum of known depth; the long accumulator for
-// the few it leaves), and a sweep for marks past the list's capacity (adversarial data). No host
+// listed outputs recomputed by a warp each (an fp64 sum of known depth; for the few it leaves, a
+// certificate that an fp64 sum was exact, else the long accumulator), and a sweep for marks past the list's capacity (adversarial data). No host
 // synchronization: every count is read on the device.
 //
 // Measured first version (session 20, call 1): a sweep of the whole output that recomputed each
@@ -181,6 +181,40 @@ __device__ float warp_exact_output(const T* __restrict__ xr, const T* __restrict
   return finalize_fmt(acc, fmt);
 }
 
+// The warp's fp64 sum (any order) of x[m, :] . w[n, :]'s exact products and the least lowest_bit
+// among them, what round_if_exact needs; every lane ends with both.
+template <typename T>
+__device__ double warp_sum_lowest_bit(const T* __restrict__ xr, const T* __restrict__ wr, int64_t K, int lane,
+                                      int* q_out) {
+  double s = 0.0;
+  int q = kNoBits;
+  for (int64_t k = lane; k < K; k += 32) {
+    const double p = wide(xr, k) * wide(wr, k);
+    s += p;
+    q = min(q, lowest_bit(p));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    s += __shfl_xor_sync(kFull, s, o);
+    q = min(q, __shfl_xor_sync(kFull, q, o));
+  }
+  *q_out = q;
+  return s;
+}
+
+// Steps 2 and 3 for one output, a warp: the exactness certificate, else the long accumulator
+// (*long_acc says which). Every lane returns the value.
+template <typename T>
+__device__ float warp_certified_or_exact(const T* __restrict__ xr, const T* __restrict__ wr, int64_t K, double ux,
+                                         double uw, const double* bias, int fmt, int lane, bool* long_acc) {
+  int q;
+  const double S = warp_sum_lowest_bit(xr, wr, K, lane, &q);
+  float v;
+  *long_acc = !round_if_exact(S, q, ux, uw, bias != nullptr ? *bias : 0.0, fmt, &v);  // warp-uniform
+  if (*long_acc) v = warp_exact_output(xr, wr, K, bias, fmt, lane);
+  return v;
+}
+
 // Step 1 for the listed outputs, a warp each; those it cannot decide go to list2.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
@@ -201,25 +235,30 @@ __global__ void __launch_bounds__(kThreads)
         store_fmt(out, o, v, fmt);
       } else {  // list2 holds at most as many as list1 (cap): no overflow
         list2[atomicAdd(&counts[2], 1ull)] = o;
-        atomicAdd(&counts[1], 1ull);
       }
     }
   }
 }
 
-// Step 2 for list2: the long accumulator, a warp an output.
+// Steps 2 and 3 for list2, a warp an output.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     exact_listed_kernel(const T* __restrict__ x, int64_t ldx, const T* __restrict__ w, int64_t ldw, int64_t N,
-                        int64_t K, const double* __restrict__ bias, int fmt, void* __restrict__ out,
-                        const unsigned long long* __restrict__ counts, const int64_t* __restrict__ list2) {
+                        int64_t K, const double* __restrict__ bias, const double* __restrict__ ux,
+                        const double* __restrict__ uw, int fmt, void* __restrict__ out,
+                        unsigned long long* __restrict__ counts, const int64_t* __restrict__ list2) {
   const int lane = threadIdx.x & 31;
   const int64_t n2 = int64_t(counts[2]);
   const int64_t nwarps = (int64_t(gridDim.x) * blockDim.x) >> 5;
   for (int64_t e = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; e < n2; e += nwarps) {
     const int64_t o = list2[e], m = o / N, n = o - m * N;
-    const float v = warp_exact_output(x + m * ldx, w + n * ldw, K, bias != nullptr ? bias + n : nullptr, fmt, lane);
-    if (lane == 0) store_fmt(out, o, v, fmt);
+    bool long_acc;
+    const float v = warp_certified_or_exact(x + m * ldx, w + n * ldw, K, ux[m], uw[n],
+                                            bias != nullptr ? bias + n : nullptr, fmt, lane, &long_acc);
+    if (lane == 0) {
+      store_fmt(out, o, v, fmt);
+      if (long_acc) atomicAdd(&counts[1], 1ull);
+    }
   }
 }
 
@@ -249,11 +288,14 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t m = o / N, n = o - m * N;
       const double S = warp_ordered_sum(x + m * ldx, w + n * ldw, K, lane);
       float v = 0.0f;
-      const bool ok = round_ordered(S, ux[m], uw[n], depth, bias != nullptr ? bias[n] : 0.0, fmt, &v);
-      if (!ok) v = warp_exact_output(x + m * ldx, w + n * ldw, K, bias != nullptr ? bias + n : nullptr, fmt, lane);
+      bool long_acc = false;
+      if (!round_ordered(S, ux[m], uw[n], depth, bias != nullptr ? bias[n] : 0.0, fmt, &v)) {
+        v = warp_certified_or_exact(x + m * ldx, w + n * ldw, K, ux[m], uw[n], bias != nullptr ? bias + n : nullptr,
+                                    fmt, lane, &long_acc);
+      }
       if (lane == 0) {
         store_fmt(out, o, v, fmt);
-        if (!ok) atomicAdd(&counts[1], 1ull);
+        if (long_acc) atomicAdd(&counts[1], 1ull);
       }
     }
   }
@@ -275,7 +317,8 @@ void fix_cuda(const at::Tensor& xa, const at::Tensor& wa, const at::Tensor& bias
                                                         out.data_ptr(), counts, lists.list1.data_ptr<int64_t>(),
                                                         lists.list2.data_ptr<int64_t>(), lists.cap);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    exact_listed_kernel<T><<<grid, kThreads, 0, stream>>>(px, xa.stride(0), pw, wa.stride(0), N, K, bp, fmt,
+    exact_listed_kernel<T><<<grid, kThreads, 0, stream>>>(px, xa.stride(0), pw, wa.stride(0), N, K, bp,
+                                                          ux.data_ptr<double>(), uw.data_ptr<double>(), fmt,
                                                           out.data_ptr(), counts, lists.list2.data_ptr<int64_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     // a persistent grid: nearly always every block reads the count and returns (as many blocks as

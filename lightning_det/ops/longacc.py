@@ -229,8 +229,9 @@ def last_fp64_counts() -> dict:
     """How this thread's last rounded det_gemm on the fp64 route went (csrc/fp64_bound.h).
 
     Returns a dict: ``undecided`` (outputs whose rounding the fp64 GEMM's error bound could not
-    decide, recomputed from the operands by a compensated sum) and ``exact`` (of those, the ones
-    that sum could not decide either, left to the long accumulator). Zeros when this thread's
+    decide, recomputed from the operands by an fp64 sum of known depth) and ``exact`` (of those,
+    the ones that sum could not decide and no certificate proved it exact either, left to the long
+    accumulator). Zeros when this thread's
     last rounded det_gemm took another route.
     Reading it waits for the GPU. For tests and benchmarks: the bytes never depend on it.
     """
