@@ -246,7 +246,7 @@ def test_cuda_matches_cpu(out_dtype):
             assert counts["exact"] == 0, counts  # the sweep's certificate
         if i == 5:  # every output to the long accumulator, most through the sweep
             assert counts["exact"] == counts["undecided"] == 400 * 300, counts
-        if i == 6:
+        if i == 6 and out_dtype == torch.float32:  # fp32 ties (bf16 / fp16 outputs: none here)
             assert counts["undecided"] > 0 and counts["exact"] == 0, counts
     # transposed operands on the GPU (DetLinear's backward)
     a, c = gen.normal((513, 257), seed=25), gen.normal((513, 129), seed=26)
