@@ -148,7 +148,7 @@ LDET_HD int lowest_bit(double p) { return exp_stat(p).lo; }  // exp_stat: zero -
 // S + b is the exact sum. True and its rounding in *out (exact zero: +0.0); false otherwise.
 LDET_HD bool round_if_exact(double S, int q, double ux, double uw, double b, int fmt, float* out) {
   if (!(is_finite(S) && is_finite(ux) && is_finite(uw) && is_finite(b))) return false;
-  if (b != 0.0 && lowest_bit(b) < q) q = lowest_bit(b);
+  if (b != 0.0) q = q < lowest_bit(b) ? q : lowest_bit(b);
   if (q >= kNoBits) {  // every product and b zero
     *out = 0.0f;
     return true;

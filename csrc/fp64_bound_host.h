@@ -25,7 +25,8 @@ namespace ldet {
 // zeroed: {outputs the decision marked, outputs left to the long accumulator, the second list's
 // length}. list1: the marked outputs' flat indices m N + n, at most cap of them (the rest stay
 // marked in the output, for a sweep that finds them); list2 (cap): those the recomputation's sum
-// could not decide (some of which its exactness certificate then decides, fp64_bound.h step 2). cap == 0: no lists (a backend that sweeps the output instead).
+// could not decide (some of which its exactness certificate then decides, fp64_bound.h step 2).
+// cap == 0: no lists (a backend that sweeps the output instead).
 struct Fp64Lists {
   at::Tensor counts, list1, list2;
   int64_t cap;

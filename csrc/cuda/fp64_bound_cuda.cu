@@ -4,8 +4,9 @@
 // cuBLASLt's native fp64 GEMM, the decision (a thread an output: one fp64 read, its interval's
 // two roundings, one store; undecided outputs marked and listed with one atomic a warp), then the
 // listed outputs recomputed by a warp each (an fp64 sum of known depth; for the few it leaves, a
-// certificate that an fp64 sum was exact, else the long accumulator), and a sweep for marks past the list's capacity (adversarial data). No host
-// synchronization: every count is read on the device.
+// certificate that an fp64 sum was exact, else the long accumulator), and a sweep for marks past
+// the list's capacity (adversarial data). No host synchronization: every count is read on the
+// device.
 //
 // Measured first version (session 20, call 1): a sweep of the whole output that recomputed each
 // mark with a compensated sum and carried the long accumulator's registers took 3.9 ms of the

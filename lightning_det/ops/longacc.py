@@ -154,7 +154,8 @@ def gemm_path(path: str) -> Iterator[None]:
             ``"fp64"`` (rounded outputs from one fp64 GEMM whose proven error bound decides each
             output's rounding; the few it cannot decide are recomputed from the operands,
             csrc/fp64_bound.h; "auto" takes it on CUDA for rounded outputs with an fp32
-            operand from M N K >= 2^30, never on the CPU; digits outputs then go as under "auto": :func:`last_fp64_counts`).
+            operand from M N K >= 2^30, never on the CPU; digits outputs then go as under
+            "auto": :func:`last_fp64_counts`).
 
     Every path returns the same bytes (the exact sum rounded once); the switch exists so tests and
     benchmarks can compare them. Not thread-safe: it sets one process-wide route.
@@ -231,8 +232,7 @@ def last_fp64_counts() -> dict:
     Returns a dict: ``undecided`` (outputs whose rounding the fp64 GEMM's error bound could not
     decide, recomputed from the operands by an fp64 sum of known depth) and ``exact`` (of those,
     the ones that sum could not decide and no certificate proved it exact either, left to the long
-    accumulator). Zeros when this thread's
-    last rounded det_gemm took another route.
+    accumulator). Zeros when this thread's last rounded det_gemm took another route.
     Reading it waits for the GPU. For tests and benchmarks: the bytes never depend on it.
     """
     return dict(zip(("undecided", "exact"), (int(v) for v in _ops().last_fp64_counts())))
