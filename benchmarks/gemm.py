@@ -50,7 +50,7 @@ from _common import time_fn, write  # noqa: E402
 
 import _real_data  # noqa: E402
 
-from lightning_det.ops import det_gemm, gemm_path, last_fp64_counts, last_slices_plan, slices_guess  # noqa: E402
+from lightning_det.ops import det_gemm, gemm_path, last_fp64_counts, last_slices_plan  # noqa: E402
 
 
 DTYPES = {"normal": (torch.float32, torch.bfloat16), "wide": (torch.bfloat16,), "real": (torch.float32, torch.bfloat16)}
@@ -99,9 +99,8 @@ def bench(device, x, w, dtype, kind, source, repeat, timed_routes=ROUTES):
             if route == "fp64":
                 fp64_counts = last_fp64_counts()
             if route.startswith("slices"):
-                with slices_guess("sync"):  # how the slices cut these operands (a guessed plan has no counts)
-                    det_gemm(x, w)
-                    plans[route] = last_slices_plan()
+                det_gemm(x, w, plans="sync")  # how the slices cut these operands (a guessed plan has no counts)
+                plans[route] = last_slices_plan()
     # det_gemm's outputs here are fp32: compare their bits (NaN == NaN)
     same = all(torch.equal(o.view(torch.int32), outs["auto"].view(torch.int32)) for o in outs.values())
     base = time_fn(lambda: torch.mm(x, w.T), device, warmup=2, repeat=max(repeat, 5))

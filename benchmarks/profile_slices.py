@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import header  # noqa: E402
-from lightning_det.ops import det_gemm, gemm_path, last_slices_plan, slices_guess  # noqa: E402
+from lightning_det.ops import det_gemm, gemm_path, last_slices_plan  # noqa: E402
 
 
 def kernel_table(prof, calls):
@@ -80,9 +80,8 @@ def gemm_call(n, dt):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n, n, generator=g).to(dt).cuda()
     w = torch.randn(n, n, generator=g).to(dt).cuda()
-    with slices_guess("sync"):  # the plan with its counts (the profiled calls guess it: CUDA's default)
-        det_gemm(x, w)
-        plan = last_slices_plan()
+    det_gemm(x, w, plans="sync")  # the plan with its counts (the profiled calls guess it: CUDA's default)
+    plan = last_slices_plan()
     return (lambda: det_gemm(x, w)), plan
 
 

@@ -62,9 +62,7 @@ def main(argv=None):
 
     from _common import step_model
     from lightning_det import global_mean
-    from lightning_det.nn import det_function_mode, det_transform
-    from lightning_det.nn.grad_digits import eager_rounding, set_grad_digits
-    from lightning_det.ops import slices_guess
+    from lightning_det.nn import StepState, StepStateMode, det_function_mode, det_transform, set_grad_digits
     from lightning_det.parallel.grad_sync import sync_gradients
     from lightning_det.parallel.loss import global_loss_reduce
 
@@ -83,25 +81,30 @@ def main(argv=None):
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
 
     phases = Phases()
+    state = StepState()  # its plans: the mode time_level runs
 
     def step(i, level):
-        set_grad_digits(net, level >= 2)
+        # digit mode from level 2; the GEMM plan mode reaches the det modules through the state
+        # they are bound to, so levels 0 and 1 run the default plans
+        set_grad_digits(net, state if level >= 2 else None)
         x = xs[i % 8].to(dev)
         y = (x * 7 + 3) % 512
         if level >= 3:
             sync()
             phases.mark("start")
         if level >= 1:
-            with det_function_mode(strict=True, loss_reduce=global_loss_reduce):
-                with eager_rounding(net, enabled=level >= 2):
+            with det_function_mode(strict=True, loss_reduce=global_loss_reduce, state=state):
+                with state.eager_rounding(enabled=level >= 2):
                     loss = global_mean(F.cross_entropy(net(x), y, reduction="none"))
                     phases.mark("forward queued")
-                    loss.backward()
+                    with StepStateMode(state):
+                        loss.backward()
                     phases.mark("backward returned")
         else:
             global_mean(F.cross_entropy(net(x), y, reduction="none")).backward()
+        state.consume_global_mean()
         if level >= 2:
-            sync_gradients(list(net.parameters()))
+            sync_gradients(list(net.parameters()), state)
             phases.mark("gradients synced")
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -114,15 +117,15 @@ def main(argv=None):
             phases.mark("synchronized")
 
     def time_level(mode, level, label=None):
-        with slices_guess(mode):
-            for i in range(4):
+        state.plans = mode
+        for i in range(4):
+            step(i, level)
+        sync()
+        with ProcessCosts(dev) as costs:
+            t, n = time.perf_counter(), 20
+            for i in range(n):
                 step(i, level)
             sync()
-            with ProcessCosts(dev) as costs:
-                t, n = time.perf_counter(), 20
-                for i in range(n):
-                    step(i, level)
-                sync()
         print(f"B={a.batch} {mode:8s} {label or NAMES[level]:40s} {(time.perf_counter() - t) / n * 1e3:7.2f} ms/step"
               f"  {costs.line(n)}", flush=True)
 
@@ -158,14 +161,14 @@ def main(argv=None):
         import cProfile
         import pstats
 
-        with slices_guess("cached"):
-            for i in range(4):
-                step(i, 3)
-            prof = cProfile.Profile()
-            prof.enable()
-            for i in range(4):
-                step(i, 3)
-            prof.disable()
+        state.plans = "cached"
+        for i in range(4):
+            step(i, 3)
+        prof = cProfile.Profile()
+        prof.enable()
+        for i in range(4):
+            step(i, 3)
+        prof.disable()
         print("--- cProfile, 4 level-3 steps, guessed plans (times in s over the 4 steps) ---")
         pstats.Stats(prof).sort_stats("tottime").print_stats(45)
         pstats.Stats(prof).sort_stats("cumulative").print_stats(30)

@@ -181,7 +181,7 @@ struct SliceBackend {
   double term_macs;
   // chunk_columns' rule for the int8 GEMM library: 0, or the most outputs a chunk may hold.
   int64_t chunk_max_outputs;
-  // Whether slice GEMMs plan from cached guesses unless told otherwise (set_slices_guess).
+  // Whether slice GEMMs plan from cached guesses when a call asks for the default (plans (-1, -1)).
   bool guess_by_default;
   // The CRT route (crt.h): whether make_slices / combine take moduli > 0, and the cost of one
   // output's reconstruction per modulus, in int8 multiply-adds (the auto choice weighs Q GEMMs
@@ -196,10 +196,11 @@ struct SliceBackend {
 // the counts it did not wait for.
 std::array<int64_t, 7>& last_slices_plan();
 
-// How slice GEMMs get their plan (set_slices_guess, csrc/schema/gemm.cpp): {-1, -1} the backend's
-// default, {-2, -2} cached guesses on every device, {0, 0} from this call's summaries (one host
-// synchronization), {Sx, Sw} >= 1 that fixed guess (tests: guesses too small and too large).
-std::array<int64_t, 2> slices_guess_mode();
+// How a slice GEMM gets its plan, the gemm / gemm_partial ops' plans argument checked
+// (csrc/schema/gemm.cpp): {-1, -1} the backend's default, {-2, -2} cached guesses on every device,
+// {0, 0} from this call's summaries (one host synchronization), {Sx, Sw} >= 1 that fixed guess
+// (tests: guesses too small and too large).
+std::array<int64_t, 2> checked_plans(at::IntArrayRef plans);
 
 // Each device's kernels (csrc/cpu/int_slices_cpu.cpp, csrc/cuda/int_slices_cuda.cu).
 const SliceBackend& slice_backend_cpu();
@@ -301,7 +302,7 @@ inline SlicePlan plan_slices(const int32_t* sx, const int32_t* sw, int64_t M, in
 
 // Guessed plans. The plan needs both operands' summaries, which live on the device: reading them
 // synchronizes the host with the GPU once per GEMM, and the host then cannot queue work ahead.
-// A training run repeats its GEMM shapes, so with cached guesses (slices_guess_mode) a later call
+// A training run repeats its GEMM shapes, so with cached guesses (the plans argument) a later call
 // with the same key takes the largest (Sx, Sw) planned from the last few summaries of that key,
 // and reads its own summary only at a later call. Not the default anywhere: the det_ddp step is
 // host-bound, and dropping its nine synchronizations left its time unchanged (NOTES "Session 9");
@@ -383,8 +384,8 @@ inline int64_t crt_moduli(const SliceBackend& be, int mode, int64_t M, int64_t N
 }
 
 inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias,
-                                  bool digits, at::ScalarType out_dtype, const SliceBackend& be,
-                                  const LongAccGemm& long_acc) {
+                                  bool digits, at::ScalarType out_dtype, const std::array<int64_t, 2>& gm,
+                                  const SliceBackend& be, const LongAccGemm& long_acc) {
   // the fp64 route's switch leaves digits (and what it declined) to the auto choice
   const int mode = gemm_path() == kPathFp64 ? kPathAuto : gemm_path();
   if (mode == kPathKernel) return {};
@@ -397,8 +398,7 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
   const at::Tensor x = dense_rows(x_in), w = dense_rows(w_in);
   const int bits = be.bits;
 
-  // The guess, if this call takes one (slices_guess_mode).
-  const std::array<int64_t, 2> gm = slices_guess_mode();
+  // The guess, if this call takes one (gm: checked_plans).
   const bool cached = gm[0] == -2 || (gm[0] == -1 && be.guess_by_default);
   int64_t gSx = gm[0] > 0 ? gm[0] : 0, gSw = gm[1] > 0 ? gm[1] : 0;
   GuessState* st = nullptr;

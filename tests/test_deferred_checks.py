@@ -9,8 +9,9 @@ import pytest
 import torch
 from conftest import cuda, env_with_mpi
 
+from lightning_det.nn import StepState, StepStateMode, det_cross_entropy
 from lightning_det.nn.loss import cross_entropy_rows
-from lightning_det.ops.deferred_checks import DeferredChecks, deferring, deferring_checks
+from lightning_det.ops.deferred_checks import DeferredChecks
 
 HELPER = Path(__file__).with_name("helpers") / "bad_target_run.py"
 DEVICES = ["cpu", pytest.param("cuda", marks=cuda)]
@@ -24,8 +25,7 @@ def test_deferred_target_check_same_rows_nan_for_bad_and_raises_on_resolve(devic
     good[3] = -100  # ignore_index
     ref, valid_ref, n_ref = cross_entropy_rows(x, good)
     checks = DeferredChecks()
-    with deferring_checks(checks):
-        rows, valid, n = cross_entropy_rows(x, good, need_count=False)
+    rows, valid, n = cross_entropy_rows(x, good, need_count=False, checks=checks)
     assert n is None and n_ref == 63 and len(checks) == 1
     assert torch.equal(rows.view(torch.int32), ref.view(torch.int32)), "deferred rows differ from the checked ones"
     assert torch.equal(valid, valid_ref)
@@ -36,9 +36,7 @@ def test_deferred_target_check_same_rows_nan_for_bad_and_raises_on_resolve(devic
     bad[10], bad[40] = 7, -3
     with pytest.raises(ValueError, match=r"target: 2 value\(s\) outside \[0, 7\)"):
         cross_entropy_rows(x, bad)  # no collector: at once, as before
-    with deferring_checks(checks):
-        rows, _, _ = cross_entropy_rows(x, bad, need_count=False)  # no error yet
-    assert deferring() is None
+    rows, _, _ = cross_entropy_rows(x, bad, need_count=False, checks=checks)  # no error yet
     ok = torch.ones(64, dtype=torch.bool, device=device)
     ok[[10, 40]] = False
     assert torch.isnan(rows[~ok]).all(), "rows with a bad target must not look like losses"
@@ -46,6 +44,19 @@ def test_deferred_target_check_same_rows_nan_for_bad_and_raises_on_resolve(devic
     with pytest.raises(ValueError, match=r"target: 2 value\(s\) outside \[0, 7\).*e\.g\. 7"):
         checks.resolve()
     checks.resolve()  # resolved once: nothing left
+
+
+def test_det_cross_entropy_defers_to_the_step_state_of_the_mode_around_it():
+    x = torch.randn(8, 5)
+    bad = torch.tensor([0, 1, 2, 5, 4, 3, 2, 1])
+    state = StepState()
+    with StepStateMode(state):
+        rows = det_cross_entropy(x, bad, reduction="none")  # no error yet: recorded in the state
+    assert len(state.checks) == 1 and torch.isnan(rows[3]) and not torch.isnan(rows[:3]).any()
+    with pytest.raises(ValueError, match=r"target: 1 value\(s\) outside \[0, 5\)"):
+        state.checks.resolve()
+    with pytest.raises(ValueError, match=r"target: 1 value\(s\) outside \[0, 5\)"):
+        det_cross_entropy(x, bad, reduction="none")  # no state: decided at once
 
 
 def _bad_target_run(accelerator, tmp_path):

@@ -21,11 +21,11 @@ from torch import nn
 
 import gen
 from lightning_det import global_mean
-from lightning_det.nn import DetLinear, det_cross_entropy, det_function_mode, det_transform
+from lightning_det.nn import DetLinear, StepState, StepStateMode, det_cross_entropy, det_function_mode, det_transform
 from lightning_det.nn.loss import cross_entropy_rows, exact_loss_reduce
 from lightning_det.ops import det_combine, det_finalize, det_gemm_partial
 from lightning_det.parallel import OpAudit
-from lightning_det.parallel.loss import consume_global_mean_flag, global_loss_reduce
+from lightning_det.parallel.loss import global_loss_reduce
 from lightning_det.reference.log1p_ref import ce_row_loss_ref, log1p_fp64
 
 U = 2.0 ** -24
@@ -222,9 +222,12 @@ def test_mean_equals_global_mean_of_rows_and_control():
     a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
     la = det_cross_entropy(a, y)
     lb = global_mean(det_cross_entropy(b, y, reduction="none"), mask=y != -100)
-    assert consume_global_mean_flag()
-    la.backward()
-    lb.backward()
+    state = StepState()
+    with StepStateMode(state):
+        la.backward()
+        assert not state.global_mean_used, "a per-process mean is not a global loss"
+        lb.backward()
+    assert state.consume_global_mean() and not state.consume_global_mean(), "the global loss marks the state once"
     assert_bitwise(la.detach(), lb.detach(), "mean vs global_mean")
     assert_bitwise(a.grad, b.grad, "grads")
     # Control: PyTorch's mean over the batch differs from the mean of per-shard means (the
@@ -340,7 +343,6 @@ def test_function_mode_routes_cross_entropy_and_module():
             got_g = F.cross_entropy(x, y, reduction=reduction)
         for got in (got_f, got_m, got_g):
             assert_bitwise(got, want, f"routed {reduction}")
-    consume_global_mean_flag()
     # PyTorch's own differs in some bits (teeth for the comparison above)
     assert not torch.equal(F.cross_entropy(x, y, reduction="none"), det_cross_entropy(x, y, reduction="none"))
 
@@ -375,7 +377,6 @@ def test_function_mode_passes_the_row_count_to_a_loss_reduce_that_takes_it(monke
 
     old, n_old = bool_sums(without_count)
     new, n_new = bool_sums(with_count)
-    consume_global_mean_flag()
     assert seen == [18], f"count passed: {seen}"
     assert n_new == n_old - 1, f"mask sums: {n_new} with count=, {n_old} without (the control)"
     assert_bitwise(new, want, "with count")
@@ -403,7 +404,6 @@ def test_audit_passes_mean_loss_under_the_mode():
             loss = F.cross_entropy(model(idx), tgt)
         loss.backward()
     assert audit.violations() == [], audit.violations()
-    consume_global_mean_flag()
 
 
 def test_argument_errors():

@@ -15,6 +15,7 @@ from lightning_det.nn import (
     DetRMSNorm,
     DetSiLU,
     DetTanh,
+    StepState,
     det_gelu,
     det_silu,
     det_tanh,
@@ -230,12 +231,13 @@ def test_rstd_matches_python_sqrt():
 def _split_grads(module, x, gy, splits, digits):
     for p in module.parameters():
         p.grad = None
-    set_grad_digits(module, digits)
+    state = StepState() if digits else None
+    set_grad_digits(module, state)
     for xs, gs in zip(x.split(splits), gy.split(splits)):
         module(xs).backward(gs)
     if digits:
-        finalize_grad_digits(module.parameters())
-    set_grad_digits(module, False)
+        finalize_grad_digits(state, module.parameters())
+    set_grad_digits(module, None)
     return [p.grad.clone() for p in module.parameters()]
 
 
@@ -402,7 +404,6 @@ def test_add_grad_digits_in_place_sum_equals_det_combine(take):
     # (take=True) or previously summed accumulator is added into in place; the result must be
     # det_combine's exact canonical sum, and a caller's tensor passed with take=False must never
     # be written. Values: wide magnitudes, cancellation across contributions, NaN/inf counters.
-    from lightning_det.nn import add_grad_digits, grad_digits
     from lightning_det.ops import det_combine, to_digits
 
     g = torch.Generator().manual_seed(90)
@@ -413,9 +414,10 @@ def test_add_grad_digits_in_place_sum_equals_det_combine(take):
     accs = [to_digits(v) for v in vals]
     before = [a.clone() for a in accs]
     p = torch.nn.Parameter(torch.zeros(6, 5))
+    state = StepState()
     for a in accs:
-        add_grad_digits(p, a, take=take)
-    assert torch.equal(grad_digits(p), det_combine(before)), "pending digits != exact canonical sum"
+        state.add_grad_digits(p, a, take=take)
+    assert torch.equal(state.grad_digits(p), det_combine(before)), "pending digits != exact canonical sum"
     if not take:
         assert all(torch.equal(a, b) for a, b in zip(accs, before)), "a caller's tensor was written"
     else:

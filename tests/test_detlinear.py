@@ -5,7 +5,7 @@ from conftest import assert_bitwise
 from torch import nn
 
 import gen
-from lightning_det.nn import DetLinear, finalize_grad_digits, grad_digits, set_grad_digits
+from lightning_det.nn import DetLinear, StepState, finalize_grad_digits, set_grad_digits
 from lightning_det.reference import longacc_ref as R
 
 
@@ -47,12 +47,13 @@ def test_dw_invariant_to_batch_splits_in_digit_mode():
 
     def digits_grad(splits):
         lin.zero_grad(set_to_none=True)
-        set_grad_digits(lin, True)
+        state = StepState()
+        set_grad_digits(lin, state)
         for part_x, part_g in zip(torch.tensor_split(x, splits), torch.tensor_split(gy, splits)):
             lin(part_x).backward(part_g)
-        assert lin.weight.grad is None and grad_digits(lin.weight) is not None
-        finalize_grad_digits(lin.parameters())
-        set_grad_digits(lin, False)
+        assert lin.weight.grad is None and state.grad_digits(lin.weight) is not None
+        finalize_grad_digits(state, lin.parameters())
+        set_grad_digits(lin, None)
         return lin.weight.grad.clone(), lin.bias.grad.clone()
 
     whole_w, whole_b = digits_grad([])
@@ -126,7 +127,40 @@ def test_bias_grad_is_the_exact_column_sum_with_specials(dtype):
     assert lin.bias.grad[2] == float("inf") and lin.bias.grad[3].isnan() and lin.bias.grad[4].isnan()
     # digit mode: the same digits as the GEMM route's
     lin.zero_grad(set_to_none=True)
-    set_grad_digits(lin, True)
+    state = StepState()
+    set_grad_digits(lin, state)
     lin(x).backward(gy)
-    assert torch.equal(grad_digits(lin.bias), det_gemm_partial(gy.t(), ones).squeeze(-2))
-    set_grad_digits(lin, False)
+    assert torch.equal(state.grad_digits(lin.bias), det_gemm_partial(gy.t(), ones).squeeze(-2))
+    set_grad_digits(lin, None)
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+@pytest.mark.parametrize("in_f,out_f", [(0, 4), (8, 0), (0, 0)])
+@pytest.mark.parametrize("digits", [False, True])
+def test_zero_features_match_nn_linear_bytes(in_f, out_f, digits):
+    # nn.Linear(0, N): the output is the bias broadcast and dW is empty; nn.Linear(K, 0): an empty
+    # output and a zero dX. Integer-valued gradients keep nn.Linear's float sums exact, so its
+    # bytes are the reference.
+    ref = nn.Linear(in_f, out_f)
+    with torch.no_grad():
+        ref.bias.copy_(gen.normal((out_f,), torch.float32, 3))
+        ref.weight.copy_(gen.normal((out_f, in_f), torch.float32, 4))
+    lin = DetLinear(in_f, out_f)
+    lin.load_state_dict(ref.state_dict())
+    state = StepState() if digits else None
+    set_grad_digits(lin, state)
+    x = gen.normal((2, 3, in_f), torch.float32, 5)
+    gy = torch.randint(-4, 5, (2, 3, out_f)).float()
+    got, want = [], []
+    for module, out in ((lin, got), (ref, want)):
+        xi = x.clone().requires_grad_()
+        y = module(xi)
+        y.backward(gy)
+        out += [y.detach(), xi.grad, module.weight.grad, module.bias.grad]
+    if digits:
+        assert lin.weight.grad is None
+        finalize_grad_digits(state, lin.parameters())
+        got[2:] = [lin.weight.grad, lin.bias.grad]
+    for g, w, what in zip(got, want, ["forward", "dX", "dW", "db"]):
+        assert g.shape == w.shape and g.dtype == w.dtype, what
+        assert_bitwise(g, w, f"Linear({in_f}, {out_f}) {what}")

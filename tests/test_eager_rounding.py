@@ -1,4 +1,4 @@
-"""Eager rounding (grad_digits.eager_rounding): a gradient with one provable contribution is
+"""Eager rounding (StepState.eager_rounding): a gradient with one provable contribution is
 rounded in the backward instead of held as digits. The bytes must equal the digit path's, and
 the digit path's must equal a differently split (micro-batched) computation; every parameter
 that may get a second contribution (tied, called twice, checkpointed) must stay on digits."""
@@ -10,8 +10,7 @@ from torch.utils.checkpoint import checkpoint
 
 import gen
 from conftest import cuda
-from lightning_det.nn import DetEmbedding, DetGELU, DetLayerNorm, DetLinear, DetRMSNorm, grad_digits, set_grad_digits
-from lightning_det.nn.grad_digits import ROUNDED_ATTR, eager_rounding
+from lightning_det.nn import DetEmbedding, DetGELU, DetLayerNorm, DetLinear, DetRMSNorm, StepState, set_grad_digits
 from lightning_det.parallel.grad_sync import sync_gradients
 
 V, D, B, T = 37, 24, 6, 9
@@ -63,15 +62,16 @@ def _step(net, eager, micro=1, device="cpu"):
     """One step in digit mode, the batch in ``micro`` micro-batches, eager rounding around the
     last; returns (grads by name on the CPU, names held as digits, names rounded eagerly)."""
     net = net.to(device)
-    set_grad_digits(net, True)
+    state = StepState()
+    set_grad_digits(net, state)
     tokens, w = (t.to(device) for t in _batch())
     rows = B // micro
     for i in range(micro):
-        with eager_rounding(net, enabled=eager and i == micro - 1):
+        with state.eager_rounding(enabled=eager and i == micro - 1):
             _loss(net, tokens[i * rows:(i + 1) * rows], w[i * rows:(i + 1) * rows]).backward()
-    digits = {n for n, p in net.named_parameters() if grad_digits(p) is not None}
-    eager_names = {n for n, p in net.named_parameters() if hasattr(p, ROUNDED_ATTR)}
-    stats = sync_gradients(list(net.parameters()))
+    digits = {n for n, p in net.named_parameters() if state.grad_digits(p) is not None}
+    eager_names = {n for n, p in net.named_parameters() if state.rounded_grad(p) is not None}
+    stats = sync_gradients(list(net.parameters()), state)
     assert stats["eager"] == len(eager_names) and stats["rounded_only"] == 0
     return {n: p.grad.cpu() for n, p in net.named_parameters()}, digits, eager_names
 
@@ -166,66 +166,71 @@ def test_tied_weight_with_reentrant_checkpoint():
     got = {}
     for eager in (True, False):
         net = TiedCkpt(tie=True)
-        set_grad_digits(net, True)
+        state = StepState()
+        set_grad_digits(net, state)
         tokens, w = _batch()
-        with eager_rounding(net, enabled=eager):
+        with state.eager_rounding(enabled=eager):
             _loss(net, tokens, w).backward()
         if eager:
-            assert grad_digits(net.emb.weight) is not None, "the tied weight must stay on digits"
-            assert hasattr(net.rms.weight, ROUNDED_ATTR), "single-use parameters still round eagerly"
-        sync_gradients(list(net.parameters()))
+            assert state.grad_digits(net.emb.weight) is not None, "the tied weight must stay on digits"
+            assert state.rounded_grad(net.rms.weight) is not None, "single-use parameters still round eagerly"
+        sync_gradients(list(net.parameters()), state)
         got[eager] = {n: p.grad.clone() for n, p in net.named_parameters()}
     _assert_same(got[True], got[False], "tied + reentrant checkpoint")
 
 
 def test_second_backward_through_retained_graph_raises_not_rounds_twice():
     net = Net()
-    set_grad_digits(net, True)
+    state = StepState()
+    set_grad_digits(net, state)
     tokens, w = _batch()
-    with eager_rounding(net):
+    with state.eager_rounding():
         loss = _loss(net, tokens, w)
         loss.backward(retain_graph=True)
         with pytest.raises(RuntimeError, match="eager_rounding=False"):
             loss.backward()
     # without eager rounding the same two backwards add exactly
     net = Net()
-    set_grad_digits(net, True)
+    state = StepState()
+    set_grad_digits(net, state)
     loss = _loss(net, tokens, w)
     loss.backward(retain_graph=True)
     loss.backward()
-    assert sync_gradients(list(net.parameters()))["exact"] == len(list(net.parameters()))
+    assert sync_gradients(list(net.parameters()), state)["exact"] == len(list(net.parameters()))
 
 
-def _eager_backward() -> Net:
+def _eager_backward():
     net = Net()
-    set_grad_digits(net, True)
+    state = StepState()
+    set_grad_digits(net, state)
     tokens, w = _batch()
-    with eager_rounding(net):
+    with state.eager_rounding():
         _loss(net, tokens, w).backward()
-    return net
+    return net, state
 
 
 def test_sync_rejects_digits_plus_an_ordinary_grad():
-    net = _eager_backward()
+    net, state = _eager_backward()
     net.up.weight.grad = torch.ones_like(net.up.weight)  # as if a plain op had used it too
     with pytest.raises(RuntimeError, match=r"params: a parameter of shape \(72, 24\).*ordinary"):
-        sync_gradients(list(net.parameters()))
+        sync_gradients(list(net.parameters()), state)
     # an all-zero .grad (zero_grad(set_to_none=False)) adds nothing and is accepted
     net = Net()
-    set_grad_digits(net, True)
+    state = StepState()
+    set_grad_digits(net, state)
     for p in net.parameters():
         p.grad = torch.zeros_like(p)
     _loss(net, *_batch()).backward()
     ref, _, _ = _step(Net(), eager=False)
-    sync_gradients(list(net.parameters()))
+    sync_gradients(list(net.parameters()), state)
     _assert_same({n: p.grad for n, p in net.named_parameters()}, ref, "zeroed .grad")
 
 
 def test_eager_gradient_refuses_a_cross_rank_reduction():
     from lightning_det.nn import finalize_grad_digits
 
-    net = _eager_backward()
+    net, state = _eager_backward()
     with pytest.raises(RuntimeError, match="eagerly rounded"):
-        finalize_grad_digits(net.parameters(), reduce=lambda acc: acc)
+        finalize_grad_digits(state, net.parameters(), reduce=lambda acc: acc)
     with pytest.raises(RuntimeError, match="eager_rounding is only for one process"):
-        sync_gradients(list(net.parameters()), scale_exp=-1)
+        sync_gradients(list(net.parameters()), state, scale_exp=-1)

@@ -10,7 +10,7 @@ import torch
 from conftest import assert_bitwise, assert_same_everywhere, both_paths, seven_bit_digits_gemm
 
 import gen
-from lightning_det.ops import det_gemm, det_gemm_partial, gemm_path, last_slices_plan, slices_guess
+from lightning_det.ops import det_gemm, det_gemm_partial, gemm_path, last_slices_plan
 from lightning_det.reference import longacc_ref as R
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -259,9 +259,9 @@ def test_cuda_row_loads_misaligned_and_long_rows(dt):
         with gemm_path("slices"):
             want = det_gemm(x, w, b)
         for xc, wc in [(x.cuda(), w.cuda()), (misaligned_cuda(x.cuda()), misaligned_cuda(w.cuda()))]:
-            with slices_guess("sync"):  # the plan with its counts, whatever the default mode
-                ref, got = both_paths(lambda: det_gemm(xc, wc, b.cuda()))
-                assert last_slices_plan()["kernel_rows_x"] == 2  # the inf row and the wide row
+            # plans "sync": the plan with its counts, whatever the default mode
+            ref, got = both_paths(lambda: det_gemm(xc, wc, b.cuda(), plans="sync"))
+            assert last_slices_plan()["kernel_rows_x"] == 2  # the inf row and the wide row
             assert_bitwise(got.cpu(), ref.cpu(), f"cuda {M}x{K}x{N} {dt}: slices vs kernel")
             assert_bitwise(got.cpu(), want, f"cuda {M}x{K}x{N} {dt}: cuda vs cpu")
 
@@ -274,9 +274,9 @@ def test_cuda_residues_equal_cpu_and_kernel(monkeypatch):
         b = gen.normal((100,), torch.float32, 36)
         xc, wc, bc = x.cuda(), w.cuda(), b.cuda()
         for od in OUT_DTYPES:
-            with slices_guess("sync"):  # the plan with its counts, whatever the default mode
-                ref, got = both_paths(lambda: det_gemm(xc, wc, bc, out_dtype=od))
-                plan = last_slices_plan()
+            # plans "sync": the plan with its counts, whatever the default mode
+            ref, got = both_paths(lambda: det_gemm(xc, wc, bc, out_dtype=od, plans="sync"))
+            plan = last_slices_plan()
             assert plan["residues_x"] >= 4 and plan["residues_w"] >= 4 and plan["slices_x"] == 3, plan
             assert_bitwise(got.cpu(), ref.cpu(), f"cuda residues -> {od}, chunks {chunk_mib} MiB")
             with gemm_path("slices"):

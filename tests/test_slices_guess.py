@@ -8,7 +8,7 @@ import torch
 from conftest import assert_bitwise
 
 import gen
-from lightning_det.ops import det_gemm, det_gemm_partial, gemm_path, last_slices_plan, slices_guess
+from lightning_det.ops import det_gemm, det_gemm_partial, gemm_path, last_slices_plan
 from lightning_det.reference import longacc_ref as R
 from test_int_slices import bias_below_the_unit_cases, planted_residue_operands
 
@@ -25,13 +25,14 @@ def kernel_bytes(fn):
 
 
 def guessed(fn, guess):
-    with gemm_path("slices"), slices_guess(guess):
-        return fn()
+    """fn(plans) on the slices route with the ``plans`` argument ``guess``."""
+    with gemm_path("slices"):
+        return fn(guess)
 
 
 def sync_plan(x, w, b=None):
-    with gemm_path("slices"), slices_guess("sync"):
-        det_gemm(x, w, b)
+    with gemm_path("slices"):
+        det_gemm(x, w, b, plans="sync")
         return last_slices_plan()
 
 
@@ -39,11 +40,11 @@ def assert_every_guess_exact(x, w, b, what):
     for od in OUT_DTYPES:
         ref = kernel_bytes(lambda: det_gemm(x, w, b, out_dtype=od))
         for g in GUESSES:
-            got = guessed(lambda: det_gemm(x, w, b, out_dtype=od), g)
+            got = guessed(lambda p: det_gemm(x, w, b, out_dtype=od, plans=p), g)
             assert_bitwise(got, ref, f"{what}: guess {g} -> {od}")
     ref = kernel_bytes(lambda: det_gemm_partial(x, w, b))
     for g in GUESSES:
-        assert torch.equal(guessed(lambda: det_gemm_partial(x, w, b), g), ref), f"{what}: guess {g}, digits"
+        assert torch.equal(guessed(lambda p: det_gemm_partial(x, w, b, plans=p), g), ref), f"{what}: guess {g}, digits"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -57,8 +58,8 @@ def test_every_guess_gives_the_kernels_bytes(device, dx, dw):
     # the rows need more than the smallest guesses: those do leave rows to exact_rows
     assert plan["slices_x"] >= 2 and plan["slices_w"] >= 2, plan
     assert_every_guess_exact(x, w, b, f"{device} {dx}/{dw}")
-    with gemm_path("slices"), slices_guess((2, 3)):
-        det_gemm(x, w, b)
+    with gemm_path("slices"):
+        det_gemm(x, w, b, plans=(2, 3))
         assert last_slices_plan()["slices_x"] == 2 and last_slices_plan()["residues_x"] == -1
     # the control: plain fp32 matmul is not the exact sum rounded once
     xf, wf = x.float().cpu(), w.float().cpu()
@@ -90,7 +91,7 @@ def test_guesses_with_residues_and_biases_below_the_unit(device):
         xd, wd, bd = x.to(device), w.to(device), b.to(device)
         ref = kernel_bytes(lambda: det_gemm(xd, wd, bd))
         for g in [(3, 3), (2, 2)]:
-            assert_bitwise(guessed(lambda: det_gemm(xd, wd, bd), g), ref, f"{device} bias 2^-100 in {cols}, {g}")
+            assert_bitwise(guessed(lambda p: det_gemm(xd, wd, bd, plans=p), g), ref, f"{device} bias 2^-100 in {cols}, {g}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -113,16 +114,16 @@ def test_cached_guess_from_other_data_stays_exact_and_learns(device):
     x, w = gen.normal((50, 128), torch.float32, 49).to(device), gen.normal((30, 128), torch.float32, 50).to(device)
     ref = kernel_bytes(lambda: det_gemm(x, w))
     need = sync_plan(x, w)
-    with gemm_path("slices"), slices_guess("cached"):
+    with gemm_path("slices"):
         for _ in range(3):
-            det_gemm(small_x, small_w)
+            det_gemm(small_x, small_w, plans="cached")
         assert (last_slices_plan()["slices_x"], last_slices_plan()["slices_w"]) == (1, 1)
-        got = det_gemm(x, w)  # guess (1, 1): every row recomputed
+        got = det_gemm(x, w, plans="cached")  # guess (1, 1): every row recomputed
         assert last_slices_plan()["slices_x"] == 1
         assert_bitwise(got, ref, f"{device} stale guess")
         if device == "cuda":
             torch.cuda.synchronize()  # the summary read at the next call must have landed
-        got = det_gemm(x, w)  # now the largest of the recent plans, randn's
+        got = det_gemm(x, w, plans="cached")  # now the largest of the recent plans, randn's
         plan = last_slices_plan()
         assert (plan["slices_x"], plan["slices_w"]) == (need["slices_x"], need["slices_w"]), (plan, need)
         assert_bitwise(got, ref, f"{device} learned guess")
@@ -135,14 +136,25 @@ def test_default_mode_plans_from_the_summaries_and_cached_mode_guesses(device):
         for _ in range(2):
             det_gemm(x, w)
         assert last_slices_plan()["residues_x"] >= 0, "the default plans from each call's summaries"
-        with slices_guess("cached"):
-            for _ in range(2):
-                det_gemm(x, w)
-            assert last_slices_plan()["residues_x"] == -1, "a repeated key takes a cached guess"
+        for _ in range(2):
+            det_gemm(x, w, plans="cached")
+        assert last_slices_plan()["residues_x"] == -1, "a repeated key takes a cached guess"
+        det_gemm(x, w)
+        assert last_slices_plan()["residues_x"] >= 0, "the plans argument holds for its own call only"
 
 
-@pytest.mark.parametrize("bad", [(0, 3), (1, 9), (2,), "often", 3, (1.0, 2)])
-def test_slices_guess_rejects_bad_modes(bad):
-    with pytest.raises(ValueError, match="mode"):
-        with slices_guess(bad):
-            pass
+@pytest.mark.parametrize("bad", [(0, 3), (1, 9), (2,), "often", 3, (1.0, 2), (True, 2)])
+def test_plans_argument_rejects_bad_values(bad):
+    x, w = torch.ones(2, 4), torch.ones(3, 4)
+    with pytest.raises(ValueError, match="plans: expected"):
+        det_gemm(x, w, plans=bad)
+    with pytest.raises(ValueError, match="plans: expected"):
+        det_gemm_partial(x, w, plans=bad)
+
+
+def test_gemm_op_checks_its_plans_argument():
+    x, w = torch.ones(2, 4), torch.ones(3, 4)
+    for bad in ([0, 3], [1, 9], [-2, -1]):
+        with pytest.raises(RuntimeError, match="plans: expected"):
+            torch.ops.ldet.gemm(x, w, None, None, bad)
+    assert torch.equal(torch.ops.ldet.gemm(x, w, None, None, [2, 3]), det_gemm(x, w))

@@ -259,7 +259,8 @@ void run_gemm(const GemmArgs& g, void* out_f, int64_t* out_d) {
 
 template <bool kFinalize>
 at::Tensor gemm_common_cpu(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                           int64_t norm_interval, at::ScalarType out_dtype = at::kFloat, bool allow_slices = true) {
+                           int64_t norm_interval, at::ScalarType out_dtype, const std::array<int64_t, 2>& plans,
+                           bool allow_slices = true) {
   check_gemm_args(x, w, bias);
   if (allow_slices && norm_interval == 0) {
     if (kFinalize) {  // rounded outputs: the fp64 route where it is forced (fp64_bound_host.h)
@@ -267,9 +268,9 @@ at::Tensor gemm_common_cpu(const at::Tensor& x, const at::Tensor& w, const c10::
       if (r.defined()) return r;
     }
     const at::Tensor r = gemm_int_slices(
-        x, w, bias, !kFinalize, out_dtype, slice_backend_cpu(),
+        x, w, bias, !kFinalize, out_dtype, plans, slice_backend_cpu(),
         [&](const at::Tensor& xs, const at::Tensor& ws, const c10::optional<at::Tensor>& bs) {
-          return gemm_common_cpu<kFinalize>(xs, ws, bs, 0, out_dtype, false);
+          return gemm_common_cpu<kFinalize>(xs, ws, bs, 0, out_dtype, plans, false);
         });
     if (r.defined()) return r;
   }
@@ -310,13 +311,13 @@ at::Tensor gemm_common_cpu(const at::Tensor& x, const at::Tensor& w, const c10::
 }
 
 at::Tensor gemm_partial_cpu(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                            int64_t norm_interval) {
-  return gemm_common_cpu<false>(x, w, bias, norm_interval);
+                            int64_t norm_interval, at::IntArrayRef plans) {
+  return gemm_common_cpu<false>(x, w, bias, norm_interval, at::kFloat, checked_plans(plans));
 }
 
 at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                    c10::optional<at::ScalarType> out_dtype) {
-  return gemm_common_cpu<true>(x, w, bias, 0, out_dtype.value_or(at::kFloat));
+                    c10::optional<at::ScalarType> out_dtype, at::IntArrayRef plans) {
+  return gemm_common_cpu<true>(x, w, bias, 0, out_dtype.value_or(at::kFloat), checked_plans(plans));
 }
 
 }  // namespace

@@ -592,7 +592,8 @@ void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& xs, cons
 
 template <bool kFinalize>
 at::Tensor gemm_common_cuda(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias,
-                            int64_t norm_interval, at::ScalarType out_dtype, bool allow_slices = true) {
+                            int64_t norm_interval, at::ScalarType out_dtype, const std::array<int64_t, 2>& plans,
+                            bool allow_slices = true) {
   check_gemm_args(x_in, w_in, bias);
   TORCH_CHECK(x_in.device() == w_in.device(), "w: expected device ", x_in.device(), " to match x, got ", w_in.device());
   if (bias.has_value())
@@ -604,9 +605,9 @@ at::Tensor gemm_common_cuda(const at::Tensor& x_in, const at::Tensor& w_in, cons
       if (r.defined()) return r;
     }
     const at::Tensor r = gemm_int_slices(
-        x_in, w_in, bias, !kFinalize, out_dtype, slice_backend_cuda(),
+        x_in, w_in, bias, !kFinalize, out_dtype, plans, slice_backend_cuda(),
         [&](const at::Tensor& xs, const at::Tensor& ws, const c10::optional<at::Tensor>& bs) {
-          return gemm_common_cuda<kFinalize>(xs, ws, bs, 0, out_dtype, false);
+          return gemm_common_cuda<kFinalize>(xs, ws, bs, 0, out_dtype, plans, false);
         });
     if (r.defined()) return r;
   }
@@ -651,13 +652,13 @@ at::Tensor gemm_common_cuda(const at::Tensor& x_in, const at::Tensor& w_in, cons
 }
 
 at::Tensor gemm_partial_cuda(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                             int64_t norm_interval) {
-  return gemm_common_cuda<false>(x, w, bias, norm_interval, at::kFloat);
+                             int64_t norm_interval, at::IntArrayRef plans) {
+  return gemm_common_cuda<false>(x, w, bias, norm_interval, at::kFloat, checked_plans(plans));
 }
 
 at::Tensor gemm_cuda(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                     c10::optional<at::ScalarType> out_dtype) {
-  return gemm_common_cuda<true>(x, w, bias, 0, out_dtype.value_or(at::kFloat));
+                     c10::optional<at::ScalarType> out_dtype, at::IntArrayRef plans) {
+  return gemm_common_cuda<true>(x, w, bias, 0, out_dtype.value_or(at::kFloat), checked_plans(plans));
 }
 
 }  // namespace

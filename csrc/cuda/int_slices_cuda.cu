@@ -599,7 +599,7 @@ const SliceBackend& slice_backend_cuda() {
                                // plans from each call's summaries: cached guesses (no host
                                // synchronization per GEMM) measured no faster in the det_ddp step,
                                // which is host-bound, and a stale guess costs a slow call (NOTES
-                               // "Session 9"); slices_guess("cached") turns them on
+                               // "Session 9"); a call's plans argument (-2, -2) turns them on
                                false,
                                // the CRT way (crt.h): only where a path forces it. Measured at 4096^3
                                // (results/logs/h200-gemm-4096-normal-1bfcb16.json): fp32 0.646x torch.mm

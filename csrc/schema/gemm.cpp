@@ -3,7 +3,6 @@
 
 #include <array>
 #include <atomic>
-#include <mutex>
 #include <vector>
 
 #include "fp64_bound_host.h"
@@ -25,26 +24,16 @@ int64_t set_gemm_path(int64_t path) {
   return g_gemm_path.exchange(int(path));
 }
 
-std::mutex g_guess_mu;
-std::array<int64_t, 2> g_guess{-1, -1};
-
-// Sets how slice GEMMs get their plan (int_slices_host.h, slices_guess_mode); returns the previous
-// setting. Every setting gives the same bytes: it exists for tests and benchmarks.
-std::vector<int64_t> set_slices_guess(int64_t sx, int64_t sw) {
-  const bool mode = (sx == sw) && (sx == -1 || sx == -2 || sx == 0);
-  const bool fixed = sx >= 1 && sx <= kSliceMax && sw >= 1 && sw <= kSliceMax;
-  TORCH_CHECK(mode || fixed, "set_slices_guess: expected (-1, -1) the default, (-2, -2) cached guesses, (0, 0) no "
-              "guess, or slice counts in [1, ", kSliceMax, "], got (", sx, ", ", sw, ")");
-  std::lock_guard<std::mutex> lock(g_guess_mu);
-  const std::vector<int64_t> prev{g_guess[0], g_guess[1]};
-  g_guess = {sx, sw};
-  return prev;
-}
 }  // namespace
 
-std::array<int64_t, 2> slices_guess_mode() {
-  std::lock_guard<std::mutex> lock(g_guess_mu);
-  return g_guess;
+std::array<int64_t, 2> checked_plans(at::IntArrayRef plans) {
+  TORCH_CHECK(plans.size() == 2, "plans: expected two integers, got ", plans.size());
+  const int64_t sx = plans[0], sw = plans[1];
+  const bool mode = (sx == sw) && (sx == -1 || sx == -2 || sx == 0);
+  const bool fixed = sx >= 1 && sx <= kSliceMax && sw >= 1 && sw <= kSliceMax;
+  TORCH_CHECK(mode || fixed, "plans: expected (-1, -1) the default, (-2, -2) cached guesses, (0, 0) no "
+              "guess, or slice counts in [1, ", kSliceMax, "], got (", sx, ", ", sw, ")");
+  return {sx, sw};
 }
 
 int gemm_path() { return g_gemm_path.load(std::memory_order_relaxed); }
@@ -81,10 +70,13 @@ TORCH_LIBRARY_FRAGMENT(ldet, m) {
   // Returns canonical digits (M, N, 19) int64 of sum_k x[m,k] * w[n,k] (+ bias[n]), exactly.
   // norm_interval: digit additions between normalizations; 0 = the production bound. Tests
   // lower it to force the normalization path (the result must not change).
-  m.def("gemm_partial(Tensor x, Tensor w, Tensor? bias=None, int norm_interval=0) -> Tensor");
+  // plans: how the integer-slice route plans this call (csrc/int_slices_host.h, "Guessed plans"):
+  // (-1, -1) the device's default, (-2, -2) cached guesses, (0, 0) from this call's summaries,
+  // (Sx, Sw) that fixed guess. Every setting gives the same bytes.
+  m.def("gemm_partial(Tensor x, Tensor w, Tensor? bias=None, int norm_interval=0, int[2] plans=[-1, -1]) -> Tensor");
   // The same exact sum rounded once, to nearest-even, straight to out_dtype (default float32;
   // bfloat16 / float16 are never rounded through fp32 first): (M, N).
-  m.def("gemm(Tensor x, Tensor w, Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor");
+  m.def("gemm(Tensor x, Tensor w, Tensor? bias=None, ScalarType? out_dtype=None, int[2] plans=[-1, -1]) -> Tensor");
   // Route switch for tests and benchmarks (csrc/int_slices_host.h): returns the previous route.
   m.def("set_gemm_path(int path) -> int", &ldet::set_gemm_path);
   // The last slices GEMM of this thread: [Sx, Sw, x residues, w residues, x rows and w rows left
@@ -94,6 +86,4 @@ TORCH_LIBRARY_FRAGMENT(ldet, m) {
   // The last fp64-route GEMM of this thread (csrc/fp64_bound_host.h): [outputs its fp64 GEMM's
   // bound left undecided, of those the ones left to the long accumulator] (one synchronization).
   m.def("last_fp64_counts() -> int[]", &ldet::last_fp64_counts_op);
-  // How slice GEMMs plan (csrc/int_slices_host.h, "Guessed plans"): returns the previous setting.
-  m.def("set_slices_guess(int sx, int sw) -> int[]", &ldet::set_slices_guess);
 }

@@ -1,13 +1,15 @@
-"""Exact modules (no Lightning import): DetLinear and friends, det_transform, and the
-digit-gradient hook for det_ddp."""
+"""Exact modules (no Lightning import): DetLinear and friends, det_transform, det_function_mode,
+and the step state that carries a training step's gradient digits between the layers."""
 from .activation import DetGELU, DetReLU, DetSiLU, DetTanh
-from .attention import DetMultiheadSelfAttention, det_function_mode, det_scaled_dot_product_attention
+from .attention import DetMultiheadSelfAttention, det_scaled_dot_product_attention
 from .embedding import DetEmbedding
 from .functional import det_col_sums, det_exp, det_gelu, det_relu, det_row_sums, det_silu, det_tanh
-from .grad_digits import add_grad_digits, finalize_grad_digits, grad_digits, set_grad_digits
+from .function_mode import det_function_mode
+from .grad_digits import finalize_grad_digits, set_grad_digits
 from .linear import DetLinear
 from .loss import det_cross_entropy
 from .norm import DetLayerNorm, DetRMSNorm
+from .step_state import StepState, StepStateMode, current_step_state
 from .transform import DET_MODULES, UnsupportedModuleError, det_transform
 from .verified import VERIFIED_FUNCTIONS, VERIFIED_MODULES
 
@@ -36,8 +38,9 @@ __all__ = [
     "DET_MODULES",
     "VERIFIED_MODULES",
     "VERIFIED_FUNCTIONS",
+    "StepState",
+    "StepStateMode",
+    "current_step_state",
     "set_grad_digits",
-    "add_grad_digits",
-    "grad_digits",
     "finalize_grad_digits",
 ]

@@ -33,34 +33,29 @@ thousand on GPU); not a replacement for flash attention at long context.
 """
 from __future__ import annotations
 
-import inspect
 import math
-import warnings
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from ..ops import det_finalize, det_gemm
 from ..ops.trust import trusted_fn
 from .functional import det_exp, det_row_sums
 from .linear import DetLinear
-from .loss import cross_entropy_rows, cross_entropy_unsupported, det_cross_entropy
 
-__all__ = ["det_scaled_dot_product_attention", "DetMultiheadSelfAttention", "det_function_mode"]
+__all__ = ["det_scaled_dot_product_attention", "DetMultiheadSelfAttention"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _slices_gemm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _slices_gemm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, plans) -> torch.Tensor:
     """``a[i] @ b[i].T`` for every slice i: a (N, M, K), b (N, P, K) -> (N, M, P), exact, one rounding.
 
     One det_gemm per slice: a slice's result cannot depend on how many slices (sequences,
     heads) are computed in the same call.
     """
-    return torch.stack([det_gemm(a[i], b[i], out_dtype=out_dtype) for i in range(a.shape[0])])
+    return torch.stack([det_gemm(a[i], b[i], out_dtype=out_dtype, plans=plans) for i in range(a.shape[0])])
 
 
 def _row_sum(a: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -73,19 +68,19 @@ def _row_sum(a: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
 class _DetSDPA(torch.autograd.Function):
     @staticmethod
     @trusted_fn
-    def forward(ctx, q, k, v, mask, scale):
+    def forward(ctx, q, k, v, mask, scale, plans):
         # q (N, Lq, E), k (N, Lk, E), v (N, Lk, Ev); mask None, bool (N, Lq, Lk) or float (N, Lq, Lk)
         qf, kf, vf = q.float(), k.float(), v.float()  # exact widening
         scale_t = torch.tensor(scale, dtype=torch.float32, device=q.device)  # rounded once, fixed
-        s = _slices_gemm(qf, kf, torch.float32) * scale_t
+        s = _slices_gemm(qf, kf, torch.float32, plans) * scale_t
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
         m = s.amax(dim=-1, keepdim=True)
         e = det_exp(s - m)
         p = e / _row_sum(e)
-        out = _slices_gemm(p, vf.transpose(1, 2), q.dtype)
+        out = _slices_gemm(p, vf.transpose(1, 2), q.dtype, plans)
         ctx.save_for_backward(qf, kf, vf, p, scale_t)
-        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+        ctx.dtypes, ctx.plans = (q.dtype, k.dtype, v.dtype), plans
         return out
 
     @staticmethod
@@ -96,15 +91,15 @@ class _DetSDPA(torch.autograd.Function):
         do = d_out.float()
         dq = dk = dv = None
         if ctx.needs_input_grad[2]:
-            dv = _slices_gemm(p.transpose(1, 2), do.transpose(1, 2), v_dtype)
+            dv = _slices_gemm(p.transpose(1, 2), do.transpose(1, 2), v_dtype, ctx.plans)
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            dp = _slices_gemm(do, vf, torch.float32)
+            dp = _slices_gemm(do, vf, torch.float32, ctx.plans)
             ds = p * (dp - _row_sum(p, dp)) * scale_t  # masked keys: p == 0, so ds == 0
             if ctx.needs_input_grad[0]:
-                dq = _slices_gemm(ds, kf.transpose(1, 2), q_dtype)
+                dq = _slices_gemm(ds, kf.transpose(1, 2), q_dtype, ctx.plans)
             if ctx.needs_input_grad[1]:
-                dk = _slices_gemm(ds.transpose(1, 2), qf.transpose(1, 2), k_dtype)
-        return dq, dk, dv, None, None
+                dk = _slices_gemm(ds.transpose(1, 2), qf.transpose(1, 2), k_dtype, ctx.plans)
+        return dq, dk, dv, None, None, None
 
 
 def _check(t, name: str) -> None:
@@ -125,6 +120,8 @@ def det_scaled_dot_product_attention(
     dropout_p: float = 0.0,
     is_causal: bool = False,
     scale: Optional[float] = None,
+    *,
+    plans="default",
 ) -> torch.Tensor:
     """Exact, batch- and head-invariant ``F.scaled_dot_product_attention`` (see the module docstring).
 
@@ -137,6 +134,8 @@ def det_scaled_dot_product_attention(
         dropout_p: must be 0.0 (dropout would need a deterministic RNG stream; not supported).
         is_causal: query r attends keys j <= r (upper-left aligned, as PyTorch). Not with attn_mask.
         scale: score scale, default ``1 / sqrt(E)``.
+        plans: how the exact GEMMs plan their integer slices, as
+            :func:`lightning_det.ops.det_gemm`'s (the bytes never depend on it).
 
     Returns:
         (..., Lq, Ev) of ``query``'s dtype.
@@ -177,7 +176,7 @@ def det_scaled_dot_product_attention(
             mask = mask.detach()
     scale = 1.0 / math.sqrt(e) if scale is None else float(scale)
     out = _DetSDPA.apply(query.reshape(n, lq, e), key.reshape(n, lk, e), value.reshape(n, lk, value.shape[-1]),
-                         mask, scale)
+                         mask, scale, plans)
     return out.reshape(*lead, lq, value.shape[-1])
 
 
@@ -211,97 +210,10 @@ class DetMultiheadSelfAttention(nn.Module):
             raise ValueError(f"x: expected shape (B, L, {self.dim}), got {tuple(x.shape)}")
         b, l, _ = x.shape
         q, k, v = self.qkv(x).view(b, l, 3, self.n_heads, self.dim // self.n_heads).permute(2, 0, 3, 1, 4).unbind(0)
-        y = det_scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+        state = self.qkv.step_state
+        y = det_scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                             plans="default" if state is None else state.plans)
         return self.proj(y.transpose(1, 2).reshape(b, l, self.dim))
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, n_heads={self.n_heads}, exact=True"
-
-
-class _DetFunctionMode(TorchFunctionMode):
-    # set aside inside trusted regions (lightning_det.ops.trust): the det ops' internals call
-    # nothing this mode redirects
-    ldet_redirect_mode = True
-
-    def __init__(self, strict: bool, loss_reduce: Optional[Callable]) -> None:
-        super().__init__()
-        self.strict, self.loss_reduce = strict, loss_reduce
-        self._reduce_takes_count = loss_reduce is not None and _takes_count(loss_reduce)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func is F.scaled_dot_product_attention:
-            if kwargs.pop("enable_gqa", False):
-                raise ValueError("enable_gqa: det attention does not support grouped-query attention; "
-                                 "repeat the key/value heads first")
-            return det_scaled_dot_product_attention(*args, **kwargs)
-        if func is F.cross_entropy:
-            return self._cross_entropy(func, args, kwargs)
-        return func(*args, **kwargs)
-
-    def _cross_entropy(self, func, args, kwargs):
-        bound = _CE_SIGNATURE.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        reason = cross_entropy_unsupported(a["input"], a["target"], a["weight"], a["size_average"], a["reduce"],
-                                           a["label_smoothing"])
-        if reason is not None:
-            if self.strict:
-                raise ValueError(reason + " (det_function_mode, strict: pass strict=False to fall back to "
-                                 "PyTorch's cross_entropy, outside the verified set)")
-            warnings.warn(reason + "; PyTorch's F.cross_entropy runs instead (outside the verified set)", stacklevel=3)
-            return func(*args, **kwargs)
-        if self.loss_reduce is None or a["reduction"] == "none":
-            return det_cross_entropy(**a)
-        reduction = a["reduction"]
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction: expected 'mean', 'sum' or 'none', got {reduction!r}")
-        rows, valid, n_valid = cross_entropy_rows(a["input"], a["target"], a["ignore_index"])
-        if self._reduce_takes_count:  # the row count is known here: no second read of the mask
-            return self.loss_reduce(rows, valid, reduction, a["input"].dtype, count=n_valid)
-        return self.loss_reduce(rows, valid, reduction, a["input"].dtype)
-
-
-def _takes_count(fn: Callable) -> bool:
-    """Whether a loss_reduce accepts ``count=`` (global_loss_reduce does; a user's may not)."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # builtins without a signature
-        return False
-    return "count" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-
-def _ce_signature(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
-                  reduction="mean", label_smoothing=0.0):
-    """F.cross_entropy's signature, for binding a call's arguments by name."""
-
-
-_CE_SIGNATURE = inspect.signature(_ce_signature)
-
-
-def det_function_mode(strict: bool = True, loss_reduce: Optional[Callable] = None) -> TorchFunctionMode:
-    """A context manager that sends PyTorch functions with a det version to it.
-
-        with det_function_mode():
-            y = model(x)   # F.scaled_dot_product_attention: exact and batch-invariant
-            loss = F.cross_entropy(y, t)   # also nn.CrossEntropyLoss: exact, device-invariant
-
-    Redirected: ``F.scaled_dot_product_attention`` -> :func:`det_scaled_dot_product_attention`
-    and ``F.cross_entropy`` (which ``nn.CrossEntropyLoss`` calls) -> :func:`det_cross_entropy`.
-    A torch function mode is off inside its own handler, so the det kernels' internals are not
-    touched. Wrap forward and the loss alike; the backward is the det Functions' own and needs
-    no mode. det_ddp applies it around every training and validation step.
-
-    Args:
-        strict: cross_entropy options the det version lacks (``weight``, ``label_smoothing``,
-            class-probability targets, (N, C, d1, ...) inputs, float64) raise a ValueError naming
-            the argument; with False they warn and run PyTorch's own function (det_ddp's op audit of
-            the first step then labels the run unverified).
-        loss_reduce: ``(per_row_losses fp32 (N,), valid bool (N,), reduction, out_dtype) -> loss``
-            used for reduction 'mean' and 'sum' instead of this process's exact reduction; one
-            that also takes ``count=`` gets the number of valid rows (known here already).
-            det_ddp passes :func:`lightning_det.parallel.loss.global_loss_reduce`: the exact
-            mean / sum over the rows of every rank, so the loss and its gradient are the same at
-            any world size.
-    """
-    return _DetFunctionMode(strict, loss_reduce)

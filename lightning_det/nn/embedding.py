@@ -1,6 +1,8 @@
 """DetEmbedding: nn.Embedding whose weight gradient is an exact digit sum (never float atomics)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,7 +11,7 @@ from ._swap import swap_class
 
 from ..ops import det_finalize, scatter_sum_digits
 from ..ops.trust import trusted_fn
-from .grad_digits import contribute_grad, digit_mode, note_forward_use
+from .step_state import StepState
 
 __all__ = ["DetEmbedding"]
 
@@ -19,25 +21,25 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 class _DetEmbeddingFn(torch.autograd.Function):
     @staticmethod
     @trusted_fn
-    def forward(ctx, idx, weight, module):
+    def forward(ctx, idx, weight, padding_idx, state):
         ctx.save_for_backward(idx)
-        ctx.module = module
-        return F.embedding(idx, weight, module.padding_idx)  # a gather: exact
+        # the state keys gradients by the Parameter object itself
+        ctx.weight, ctx.padding_idx, ctx.state = weight, padding_idx, state
+        return F.embedding(idx, weight, padding_idx)  # a gather: exact
 
     @staticmethod
     @trusted_fn
     def backward(ctx, gy):
         (idx,) = ctx.saved_tensors
-        module = ctx.module
-        weight = module.weight
+        weight = ctx.weight
         if not ctx.needs_input_grad[1]:
-            return None, None, None
+            return None, None, None, None
         idx1 = idx.reshape(-1)
         gy2 = gy.reshape(idx1.shape[0], weight.shape[1])
         if gy2.dtype not in _FLOATS:
             gy2 = gy2.float()
         out_dtype = weight.dtype if weight.dtype in _FLOATS else torch.float32
-        pad = module.padding_idx
+        pad = ctx.padding_idx
 
         def rounded() -> torch.Tensor:
             n_rows = weight.shape[0]
@@ -64,10 +66,10 @@ class _DetEmbeddingFn(torch.autograd.Function):
                 acc[pad] = 0
             return acc
 
-        if digit_mode(module):
-            contribute_grad(module, weight, digits, rounded)
-            return None, None, None
-        return None, rounded(), None
+        if ctx.state is not None:
+            ctx.state.contribute(weight, digits, rounded)
+            return None, None, None, None
+        return None, rounded(), None, None
 
 
 class DetEmbedding(nn.Embedding):
@@ -84,6 +86,7 @@ class DetEmbedding(nn.Embedding):
     """
 
     supports_grad_digits = True
+    step_state: Optional[StepState] = None  # set by set_grad_digits
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding) -> "DetEmbedding":
@@ -100,8 +103,10 @@ class DetEmbedding(nn.Embedding):
         _check_options(self)
         if input.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"input: expected int64 or int32 indices, got {input.dtype}")
-        note_forward_use(self, self.weight)
-        return _DetEmbeddingFn.apply(input, self.weight, self)
+        state = self.step_state
+        if state is not None:
+            state.note_forward_use(self.weight)
+        return _DetEmbeddingFn.apply(input, self.weight, self.padding_idx, state)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", exact=True"

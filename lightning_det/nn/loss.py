@@ -27,7 +27,7 @@ loss +0.0 and gradient +0.0 and do not count in the mean.
 
 Under ``det_ddp``, ``det_function_mode`` sends ``F.cross_entropy`` / ``nn.CrossEntropyLoss``
 here, and reductions 'mean' / 'sum' run over the global batch (every rank's rows), see
-:func:`lightning_det.nn.attention.det_function_mode`.
+:func:`lightning_det.nn.function_mode.det_function_mode`.
 """
 from __future__ import annotations
 
@@ -37,12 +37,13 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from ..ops import det_finalize, det_normalize, to_digits
-from ..ops.deferred_checks import check_now_or_later, deferring
+from ..ops.deferred_checks import DeferredChecks, check_now_or_later
 from ..ops.exact_scalar import mean_of_acc, pow2_scale_exp, reciprocal
 from ..ops.trust import trusted, trusted_fn
 from .functional import _ops
+from .step_state import current_step_state
 
-__all__ = ["det_cross_entropy", "exact_loss_reduce", "cross_entropy_unsupported"]
+__all__ = ["det_cross_entropy", "det_cross_entropy_checked", "exact_loss_reduce", "cross_entropy_unsupported"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _REDUCTIONS = ("mean", "sum", "none")
@@ -93,7 +94,7 @@ class _ExactReduce(torch.autograd.Function):
         scale_exp = pow2_scale_exp(count) if mean else None
         if scale_exp is not None:
             # dividing by 2^k inside the one rounding is exact: rounded on the device, no host sync
-            out = det_finalize(total, out_dtype, scale_exp=scale_exp).reshape(())
+            out = det_finalize(total[0], out_dtype, scale_exp=scale_exp)  # 0-dim, not a view
             ctx.scale = reciprocal(count)
         elif mean:
             value = math.nan if count == 0 else mean_of_acc(total[0].tolist(), count, out_dtype)
@@ -101,7 +102,7 @@ class _ExactReduce(torch.autograd.Function):
             # 1/count rounded once: the same number whatever the split (0 rows: torch's nan loss, zero grads)
             ctx.scale = reciprocal(count) if count else 0.0
         else:
-            out = det_finalize(total, out_dtype).reshape(())
+            out = det_finalize(total[0], out_dtype)
         ctx.save_for_backward(mask)
         ctx.shape = values.shape
         return out
@@ -197,14 +198,13 @@ def _check(input, target, ignore_index, reduction) -> None:
 
 
 def cross_entropy_rows(input: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
-                       need_count: bool = True):
+                       need_count: bool = True, checks: Optional[DeferredChecks] = None):
     """Per-row fp32 losses and the row mask: ``(l (N,) float32, valid (N,) bool, n_valid)``.
 
     The building block of det_cross_entropy and of det_ddp's global reduction; arguments must
     already pass ``cross_entropy_unsupported`` (None) and are checked here. The target range
-    check and the count take one host sync. With ``need_count=False`` inside
-    :func:`lightning_det.ops.deferred_checks.deferring_checks` (det_ddp's training step), the
-    check is recorded for later instead (no sync), ``n_valid`` is None and rows whose target is
+    check and the count take one host sync. With ``need_count=False`` and ``checks`` (det_ddp's
+    step state's), the check is recorded there for later instead (no sync), ``n_valid`` is None and rows whose target is
     out of range get loss NaN (and gradient 0) until the owner resolves the check and raises.
     """
     _check(input, target, ignore_index, "none")
@@ -212,9 +212,9 @@ def cross_entropy_rows(input: torch.Tensor, target: torch.Tensor, ignore_index: 
         n, c = input.shape
         valid = target != ignore_index
         bad = valid & ((target < 0) | (target >= c))
-        if not need_count and deferring() is not None:
+        if not need_count and checks is not None:
             lo, hi = torch.aminmax(torch.where(bad, target, torch.zeros_like(target)))
-            check_now_or_later(torch.stack([bad.sum(), lo, hi]), _target_verdict(c, ignore_index))
+            check_now_or_later(torch.stack([bad.sum(), lo, hi]), _target_verdict(c, ignore_index), checks)
             rows = _CrossEntropyRows.apply(input, target, valid & ~bad)
             return rows.masked_fill(bad, math.nan), valid, None
         n_bad, n_valid = (int(v) for v in torch.stack([bad.sum(), valid.sum()]).tolist())
@@ -267,8 +267,18 @@ def det_cross_entropy(
     reason = cross_entropy_unsupported(input, target, weight, size_average, reduce, label_smoothing)
     if reason is not None:
         raise ValueError(reason)
+    # inside a step that defers its checks (det_ddp), found before the trusted region sets its mode aside
+    state = current_step_state()
+    return det_cross_entropy_checked(input, target, ignore_index, reduction, None if state is None else state.checks)
+
+
+def det_cross_entropy_checked(input: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
+                              checks: Optional[DeferredChecks]) -> torch.Tensor:
+    """:func:`det_cross_entropy` past its unsupported-option check, with the value checks of
+    reduction 'none' deferred to ``checks`` when given (None: decided at once)."""
     _check(input, target, ignore_index, reduction)
-    rows, valid, n_valid = cross_entropy_rows(input, target, ignore_index, need_count=reduction != "none")
+    rows, valid, n_valid = cross_entropy_rows(input, target, ignore_index, need_count=reduction != "none",
+                                              checks=checks)
     if reduction == "none":
         with trusted():
             return rows.to(input.dtype)

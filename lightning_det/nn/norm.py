@@ -25,6 +25,7 @@ Backward, with g = gy * weight, m1 = round(sum g) / W, m2 = round(sum g * xhat) 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import nn
@@ -35,7 +36,7 @@ from .. import _build
 from ..ops import det_finalize
 from ..ops.trust import trusted_fn
 from .functional import det_col_sums
-from .grad_digits import contribute_grad, digit_mode, note_forward_use
+from .step_state import StepState
 
 __all__ = ["DetLayerNorm", "DetRMSNorm"]
 
@@ -47,10 +48,10 @@ def _ops():
     return torch.ops.ldet
 
 
-def _grad_or_digits(module, param, acc, digits: bool):
+def _grad_or_digits(state: Optional[StepState], param, acc):
     dtype = param.dtype if param.dtype in _FLOATS else torch.float32
-    if digits:
-        contribute_grad(module, param, lambda: acc, lambda: det_finalize(acc, dtype).reshape(param.shape))
+    if state is not None:
+        state.contribute(param, lambda: acc, lambda: det_finalize(acc, dtype).reshape(param.shape))
         return None
     return det_finalize(acc, dtype)
 
@@ -58,34 +59,39 @@ def _grad_or_digits(module, param, acc, digits: bool):
 class _DetNormFn(torch.autograd.Function):
     @staticmethod
     @trusted_fn
-    def forward(ctx, x, weight, bias, module, width, eps, rms):
+    def forward(ctx, x, weight, bias, state, width, eps, rms):
         w = None if weight is None else weight.reshape(width).float()
         b = None if bias is None else bias.reshape(width).float()
-        y, xhat, rstd = _ops().norm_forward(x.reshape(-1, width), w, b, eps, rms)
+        # x (rows, width) and y 2-D: y is a fresh tensor, never a view made in here, so in-place
+        # ops on the module's output work as on nn.LayerNorm's
+        y, xhat, rstd = _ops().norm_forward(x, w, b, eps, rms)
         ctx.save_for_backward(xhat, rstd, weight, bias)
-        ctx.module, ctx.width, ctx.rms, ctx.x_shape, ctx.x_dtype = module, width, rms, x.shape, x.dtype
-        return y.reshape(x.shape)
+        # the state keys gradients by the Parameter objects themselves
+        ctx.params = (weight, bias) if state is not None else None
+        ctx.state, ctx.width, ctx.rms, ctx.x_shape, ctx.x_dtype = state, width, rms, x.shape, x.dtype
+        return y
 
     @staticmethod
     @trusted_fn
     def backward(ctx, gy):
         xhat, rstd, weight, bias = ctx.saved_tensors
+        if ctx.params is not None:
+            weight, bias = ctx.params
         width = ctx.width
         gy2 = gy.reshape(-1, width)
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
             w = None if weight is None else weight.reshape(width).float()
             gx = _ops().norm_backward(gy2, xhat, rstd, w, ctx.rms, ctx.x_dtype).reshape(ctx.x_shape)
-        digits = digit_mode(ctx.module)
         want_w = weight is not None and ctx.needs_input_grad[1]
         want_b = bias is not None and ctx.needs_input_grad[2]
         if want_w or want_b:
             gy2 = gy2.float()  # the column sums' operands, as the forward's xhat: fp32
         if want_w:
-            gw = _grad_or_digits(ctx.module, weight, det_col_sums(gy2, xhat), digits)
+            gw = _grad_or_digits(ctx.state, weight, det_col_sums(gy2, xhat))
             gw = None if gw is None else gw.reshape(weight.shape)
         if want_b:
-            gb = _grad_or_digits(ctx.module, bias, det_col_sums(gy2), digits)
+            gb = _grad_or_digits(ctx.state, bias, det_col_sums(gy2))
             gb = None if gb is None else gb.reshape(bias.shape)
         return gx, gw, gb, None, None, None, None
 
@@ -110,6 +116,7 @@ class DetLayerNorm(nn.LayerNorm):
     """
 
     supports_grad_digits = True
+    step_state: Optional[StepState] = None  # set by set_grad_digits
 
     @classmethod
     def from_layer_norm(cls, ln: nn.LayerNorm) -> "DetLayerNorm":
@@ -119,8 +126,11 @@ class DetLayerNorm(nn.LayerNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         _check_input(self, input)
         width = math.prod(self.normalized_shape)
-        note_forward_use(self, self.weight, self.bias)
-        return _DetNormFn.apply(input, self.weight, self.bias, self, width, float(self.eps), False)
+        state = self.step_state
+        if state is not None:
+            state.note_forward_use(self.weight, self.bias)
+        y = _DetNormFn.apply(input.reshape(-1, width), self.weight, self.bias, state, width, float(self.eps), False)
+        return y.reshape(input.shape)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", exact=True"
@@ -136,6 +146,7 @@ class DetRMSNorm(nn.RMSNorm):
     """
 
     supports_grad_digits = True
+    step_state: Optional[StepState] = None  # set by set_grad_digits
 
     @classmethod
     def from_rms_norm(cls, norm: nn.RMSNorm) -> "DetRMSNorm":
@@ -146,8 +157,11 @@ class DetRMSNorm(nn.RMSNorm):
         _check_input(self, input)
         width = math.prod(self.normalized_shape)
         eps = torch.finfo(input.dtype).eps if self.eps is None else float(self.eps)
-        note_forward_use(self, self.weight)
-        return _DetNormFn.apply(input, self.weight, None, self, width, eps, True)
+        state = self.step_state
+        if state is not None:
+            state.note_forward_use(self.weight)
+        y = _DetNormFn.apply(input.reshape(-1, width), self.weight, None, state, width, eps, True)
+        return y.reshape(input.shape)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", exact=True"

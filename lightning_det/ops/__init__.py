@@ -1,5 +1,6 @@
 """Exact long-accumulator ops (no Lightning import). See :mod:`lightning_det.ops.longacc`."""
 from .distributed import det_all_reduce
+from .linear import det_linear
 from .longacc import (
     LongAcc,
     det_combine,
@@ -11,7 +12,6 @@ from .longacc import (
     last_fp64_counts,
     last_slices_plan,
     scatter_sum_digits,
-    slices_guess,
     to_digits,
 )
 
@@ -19,6 +19,7 @@ __all__ = [
     "LongAcc",
     "det_gemm",
     "det_gemm_partial",
+    "det_linear",
     "det_combine",
     "det_finalize",
     "det_normalize",
@@ -27,6 +28,5 @@ __all__ = [
     "last_fp64_counts",
     "last_slices_plan",
     "scatter_sum_digits",
-    "slices_guess",
     "to_digits",
 ]

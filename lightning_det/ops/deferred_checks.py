@@ -3,9 +3,9 @@
 Some argument checks depend on tensor values (cross-entropy targets inside [0, C)). Reading the
 verdict at once synchronizes the host with the GPU: everything queued before it must finish, and
 the GPU then idles while the host queues what follows. In a training step whose forward is
-host-bound that costs more than the check (NOTES "Session 17"). Inside :func:`deferring_checks`
-such a check records its device-side values instead (an asynchronous copy into pinned host
-memory behind a CUDA event), and the owner resolves them at a point where the host would wait
+host-bound that costs more than the check. Given a :class:`DeferredChecks` (det_ddp's step
+state holds one), such a check records its device-side values instead (an asynchronous copy
+into pinned host memory behind a CUDA event), and the owner resolves them at a point where the host would wait
 anyway or before anything irreversible happens: det_ddp does it after the step's backward is
 queued and before gradients are synchronized and the optimizer step runs, so a bad target still
 raises the same error before any weight changes, and the forward's values computed from bad rows
@@ -16,18 +16,14 @@ point of the step on either device.
 """
 from __future__ import annotations
 
-import contextlib
-import threading
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
-__all__ = ["DeferredChecks", "deferring_checks", "check_now_or_later", "deferring"]
+__all__ = ["DeferredChecks", "check_now_or_later"]
 
 # verdict(values) -> the exception to raise, or None when the values pass
 Verdict = Callable[[List[int]], Optional[Exception]]
-
-_local = threading.local()  # the collector of the thread that queues the forward
 
 
 class DeferredChecks:
@@ -65,30 +61,9 @@ class DeferredChecks:
         self._pending = []
 
 
-def deferring() -> Optional[DeferredChecks]:
-    """The active collector of this thread, or None (checks are then decided at once)."""
-    stack = getattr(_local, "stack", None)
-    return stack[-1] if stack else None
-
-
-@contextlib.contextmanager
-def deferring_checks(checks: DeferredChecks) -> Iterator[DeferredChecks]:
-    """Value checks made inside the block (on this thread) go to ``checks``; the caller must call
-    ``checks.resolve()`` before it relies on the checked inputs having been valid."""
-    stack = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    stack.append(checks)
-    try:
-        yield checks
-    finally:
-        stack.pop()
-
-
-def check_now_or_later(values: torch.Tensor, verdict: Verdict) -> bool:
-    """Decides the check now (no collector active: raises on failure) or records it with the
-    active collector. Returns True when it was deferred."""
-    checks = deferring()
+def check_now_or_later(values: torch.Tensor, verdict: Verdict, checks: Optional[DeferredChecks]) -> bool:
+    """Decides the check now (``checks`` None: raises on failure) or records it in ``checks``.
+    Returns True when it was deferred."""
     if checks is not None:
         checks.add(values, verdict)
         return True

@@ -31,7 +31,6 @@ __all__ = [
     "last_fp64_counts",
     "last_slices_plan",
     "scatter_sum_digits",
-    "slices_guess",
     "to_digits",
 ]
 
@@ -113,6 +112,7 @@ def det_gemm(
     bias: Optional[torch.Tensor] = None,
     *,
     out_dtype: torch.dtype = torch.float32,
+    plans="default",
 ) -> torch.Tensor:
     """``x @ w.T (+ bias)``: the exact sum of exact products, rounded once to nearest-even.
 
@@ -121,6 +121,9 @@ def det_gemm(
         w: (N, K) in ``nn.Linear`` layout, float32 / bfloat16 / float16.
         bias: optional (N,), added inside the accumulator before the one rounding.
         out_dtype: float32 (default), bfloat16 or float16; rounded straight to it.
+        plans: how the integer-slice route plans this call: ``"default"``, ``"cached"``,
+            ``"sync"`` or ``(slices_x, slices_w)`` (see ``_plans_arg``). The bytes never depend
+            on it; det_ddp passes its ``gemm_plans`` mode through the step state.
 
     Returns:
         (..., N) tensor of ``out_dtype``. Row i does not depend on the other rows, K-splits,
@@ -129,7 +132,7 @@ def det_gemm(
     x2, lead = _gemm_args(x, w, bias)
     if out_dtype not in _FLOATS:
         raise TypeError(f"out_dtype: expected torch.float32, torch.bfloat16 or torch.float16, got {out_dtype}")
-    y = _ops().gemm(x2, w, bias, out_dtype)
+    y = _ops().gemm(x2, w, bias, out_dtype, _plans_arg(plans))
     return y.reshape(*lead, w.shape[0])
 
 
@@ -173,42 +176,30 @@ _GUESS_MODES = {"default": -1, "cached": -2, "sync": 0}
 _SLICE_MAX = 8  # csrc/int_slices.h kSliceMax
 
 
-@contextlib.contextmanager
-def slices_guess(mode) -> Iterator[None]:
-    """How the integer-slice route plans each GEMM inside the ``with`` block, process-wide.
+def _plans_arg(plans) -> list:
+    """The ops' ``plans`` argument: how the integer-slice route plans one GEMM.
 
     The plan (int8 slices per value of x and of w) comes from both operands' row summaries, which
     live on the operands' device: reading them synchronizes the host with the GPU once per GEMM.
     With a *guessed* plan the GEMM reads no summary: rows that need more slices than guessed are
     recomputed on the device straight from the operands, and the 128-bit combine checks its
-    proof there, so the bytes are the same under every mode (csrc/int_slices_host.h, "Guessed
+    proof there, so the bytes are the same under every value (csrc/int_slices_host.h, "Guessed
     plans").
 
-    Args:
-        mode: ``"default"`` (the device's default: plans from the summaries, on the CPU and on
-            CUDA, NOTES "Session 9"), ``"cached"`` (a call takes the largest plan of the last few calls
-            with the same shapes, dtypes and device, after a first call that plans from its
-            summaries), ``"sync"`` (every call plans from its own summaries), or a tuple
-            ``(slices_x, slices_w)`` of ints in [1, 8]: that guess for every call (tests: guesses
-            too small and too large).
-
-    For tests and benchmarks: a result's bytes never depend on it. Not thread-safe: it sets one
-    process-wide mode.
+    ``plans``: ``"default"`` (the device's default: plans from the summaries, on the CPU and on
+    CUDA), ``"cached"`` (a call takes the largest plan of the last few calls with the same
+    shapes, dtypes and device, after a first call that plans from its summaries), ``"sync"``
+    (the call plans from its own summaries), or a tuple ``(slices_x, slices_w)`` of ints in
+    [1, 8]: that guess (tests: guesses too small and too large).
     """
-    if isinstance(mode, tuple):
-        ok = len(mode) == 2 and all(isinstance(v, int) and 1 <= v <= _SLICE_MAX for v in mode)
+    if isinstance(plans, tuple):
+        ok = len(plans) == 2 and all(type(v) is int and 1 <= v <= _SLICE_MAX for v in plans)
         if not ok:
-            raise ValueError(f"mode: expected a tuple of two slice counts in [1, {_SLICE_MAX}], got {mode!r}")
-        sx, sw = mode
-    elif mode in _GUESS_MODES:
-        sx = sw = _GUESS_MODES[mode]
-    else:
-        raise ValueError(f"mode: expected one of {sorted(_GUESS_MODES)} or a tuple (slices_x, slices_w), got {mode!r}")
-    prev = _ops().set_slices_guess(sx, sw)
-    try:
-        yield
-    finally:
-        _ops().set_slices_guess(*prev)
+            raise ValueError(f"plans: expected a tuple of two slice counts in [1, {_SLICE_MAX}], got {plans!r}")
+        return list(plans)
+    if isinstance(plans, str) and plans in _GUESS_MODES:
+        return [_GUESS_MODES[plans]] * 2
+    raise ValueError(f"plans: expected one of {sorted(_GUESS_MODES)} or a tuple (slices_x, slices_w), got {plans!r}")
 
 
 def last_slices_plan() -> dict:
@@ -219,7 +210,7 @@ def last_slices_plan() -> dict:
     exactly, csrc/int_slices.h), ``kernel_rows_x``, ``kernel_rows_w`` (rows left to the
     long-accumulator kernel) and ``moduli`` (int8 GEMMs of the CRT route, csrc/crt.h; 0: one
     GEMM per diagonal of slice pairs). All zeros before any such call; -1 for the four counts after a
-    guessed plan (:func:`slices_guess`), which does not wait for them. For tests and benchmarks:
+    guessed plan (a ``plans`` argument other than "sync"), which does not wait for them. For tests and benchmarks:
     the bytes of a result never depend on it.
     """
     keys = ("slices_x", "slices_w", "residues_x", "residues_w", "kernel_rows_x", "kernel_rows_w", "moduli")
@@ -239,12 +230,14 @@ def last_fp64_counts() -> dict:
 
 
 def det_gemm_partial(
-    x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *, _norm_interval: int = 0
+    x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *, plans="default",
+    _norm_interval: int = 0
 ) -> LongAcc:
     """The unrounded ``x @ w.T (+ bias)`` as canonical digits.
 
     Args:
         x: (..., K), w: (N, K), bias: optional (N,); float32 / bfloat16 / float16.
+        plans: as :func:`det_gemm`'s.
 
     Returns:
         LongAcc of shape (..., N, 19), int64. Combine partials over any K-split with
@@ -253,7 +246,7 @@ def det_gemm_partial(
     x2, lead = _gemm_args(x, w, bias)
     if _norm_interval < 0:
         raise ValueError(f"_norm_interval: expected >= 0, got {_norm_interval}")
-    acc = _ops().gemm_partial(x2, w, bias, _norm_interval)
+    acc = _ops().gemm_partial(x2, w, bias, _norm_interval, _plans_arg(plans))
     return acc.reshape(*lead, w.shape[0], WORDS)
 
 
@@ -354,11 +347,11 @@ def _register_fakes() -> None:
     lib = "ldet::"
 
     @torch.library.register_fake(lib + "gemm_partial")
-    def _(x, w, bias=None, norm_interval=0):
+    def _(x, w, bias=None, norm_interval=0, plans=(-1, -1)):
         return x.new_empty((x.shape[0], w.shape[0], WORDS), dtype=torch.int64)
 
     @torch.library.register_fake(lib + "gemm")
-    def _(x, w, bias=None, out_dtype=None):
+    def _(x, w, bias=None, out_dtype=None, plans=(-1, -1)):
         return x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype or torch.float32)
 
     @torch.library.register_fake(lib + "normalize")
@@ -377,24 +370,17 @@ def _register_fakes() -> None:
     def _(a, index, n_out):
         return a.new_empty((n_out, a.shape[1], WORDS), dtype=torch.int64)
 
+    from .linear import linear_backward  # the one exact-linear autograd formula, DetLinear's too
+
     def _gemm_setup(ctx, inputs, output):
-        x, w, bias, out_dtype = inputs
-        ctx.save_for_backward(x, w)
-        ctx.has_bias = bias is not None
-        ctx.bias_dtype = bias.dtype if bias is not None else None
+        x, w, bias, out_dtype, plans = inputs
+        ctx.save_for_backward(x, w, bias)
+        ctx.plans = list(plans)
 
     def _gemm_backward(ctx, grad):
-        # Each gradient is its own exact sum rounded once, straight to the input's dtype.
-        x, w = ctx.saved_tensors
-        gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            gx = torch.ops.ldet.gemm(grad, w.t(), None, x.dtype)
-        if ctx.needs_input_grad[1]:
-            gw = torch.ops.ldet.gemm(grad.t(), x.t(), None, w.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            ones = grad.new_ones((1, grad.shape[0]))
-            gb = torch.ops.ldet.gemm(grad.t(), ones, None, ctx.bias_dtype).reshape(-1)
-        return gx, gw, gb, None
+        x, w, bias = ctx.saved_tensors
+        gx, gw, gb = linear_backward(grad, x, w, bias, ctx.needs_input_grad, ctx.plans)
+        return gx, gw, gb, None, None
 
     torch.library.register_autograd(lib + "gemm", _gemm_backward, setup_context=_gemm_setup)
 

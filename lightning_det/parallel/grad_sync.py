@@ -6,7 +6,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from ..nn.grad_digits import DIGITS_ATTR, ROUNDED_ATTR, clear_forward_uses, grad_digits, take_rounded_grad
+from ..nn.step_state import StepState
 from ..ops import det_finalize, to_digits
 from ..ops.exact_scalar import pow2_scale_exp
 from ..ops.distributed import det_all_reduce_windowed
@@ -38,13 +38,14 @@ def grad_scale_exp(world_size: int, loss_is_global: bool) -> int:
 
 
 def sync_gradients(
-    params: Iterable[torch.Tensor], group: Optional[object] = None, scale_exp: int = 0,
+    params: Iterable[torch.Tensor], state: StepState, group: Optional[object] = None, scale_exp: int = 0,
     bucket_elements: int = 1 << 20,
 ) -> dict:
     """Sums every gradient exactly over the ranks and rounds it once into ``param.grad``.
 
     Args:
         params: parameters in a fixed order (the same on every rank).
+        state: the step's state, holding the det modules' pending digits and eager gradients.
         group: process group; None = the default group (or a single process when none exists).
         scale_exp: power-of-two scale applied inside the rounding (see :func:`grad_scale_exp`).
         bucket_elements: gradient elements per windowed reduce (whole parameters; a larger
@@ -72,6 +73,8 @@ def sync_gradients(
         gradient elements went as full digits (NaN/inf or windows too wide to pack), "eager"
         how many of the exact ones were already rounded in the backward.
     """
+    if not isinstance(state, StepState):
+        raise TypeError(f"state: expected a StepState, got {type(state).__name__}")
     if bucket_elements < 1:
         raise ValueError(f"bucket_elements: expected a positive element count, got {bucket_elements}")
     params = [p for p in params if p.requires_grad]
@@ -81,8 +84,8 @@ def sync_gradients(
 
     multi = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     for p in params:
-        has_digits = grad_digits(p) is not None
-        has_eager = getattr(p, ROUNDED_ATTR, None) is not None
+        has_digits = state.grad_digits(p) is not None
+        has_eager = state.rounded_grad(p) is not None
         if (has_digits or has_eager) and p.grad is not None and bool(p.grad.any()):
             raise RuntimeError(
                 f"params: a parameter of shape {tuple(p.shape)} has exact gradient "
@@ -98,7 +101,7 @@ def sync_gradients(
             )
 
     def digits_of(p: torch.Tensor) -> torch.Tensor:
-        acc = grad_digits(p)
+        acc = state.grad_digits(p)
         if acc is not None:
             stats["exact"] += 1
         elif p.grad is not None:
@@ -112,12 +115,11 @@ def sync_gradients(
     def round_into_grad(p: torch.Tensor, acc: torch.Tensor) -> None:
         dtype = p.dtype if p.dtype in _FLOATS else torch.float32
         p.grad = det_finalize(acc.reshape(*p.shape, WORDS), dtype, scale_exp=scale_exp)  # normalizes first
-        if hasattr(p, DIGITS_ATTR):
-            delattr(p, DIGITS_ATTR)
+        state.pop_grad_digits(p)
 
     if not multi:
         for p in params:
-            eager = take_rounded_grad(p)
+            eager = state.take_rounded_grad(p)
             if eager is not None:
                 stats["exact"] += 1
                 stats["eager"] += 1
@@ -125,7 +127,7 @@ def sync_gradients(
                 p.grad = eager
             else:
                 round_into_grad(p, digits_of(p))
-        clear_forward_uses(params)
+        state.clear_forward_uses()
         return stats
     for bucket in _buckets(params, bucket_elements):
         parts = [digits_of(p).reshape(-1, WORDS) for p in bucket]
@@ -140,7 +142,7 @@ def sync_gradients(
         for p in bucket:
             round_into_grad(p, flat[offset : offset + p.numel()])
             offset += p.numel()
-    clear_forward_uses(params)
+    state.clear_forward_uses()
     return stats
 
 

@@ -1,32 +1,31 @@
 """global_mean / global_sum: losses whose value and gradient are the same at any world size and split.
 
 Both are :func:`lightning_det.nn.loss.exact_loss_reduce` (exact digit sum, one rounding) with the
-digits, and the count, summed over the ranks before the rounding. They tell the strategy that
-the loss is already global (``consume_global_mean_flag``), so it skips its 1/N gradient scale.
+digits, and the count, summed over the ranks before the rounding. When such a loss is
+back-propagated they tell the step's state (:func:`lightning_det.nn.step_state.current_step_state`,
+the strategy's) that the loss is already global, so the strategy skips its 1/N gradient scale.
 """
 from __future__ import annotations
 
-import threading
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ..nn.loss import exact_loss_reduce
+from ..nn.step_state import current_step_state
 from ..ops import det_all_reduce
 from ..ops.trust import trusted
 
-__all__ = ["global_mean", "global_sum", "global_loss_reduce", "consume_global_mean_flag"]
-
-_state = threading.local()
+__all__ = ["global_mean", "global_sum", "global_loss_reduce"]
 
 
-def consume_global_mean_flag() -> bool:
-    """True if a global loss that takes part in backward ran since the last call (the strategy
-    then skips its 1/N scale)."""
-    used = getattr(_state, "used", False)
-    _state.used = False
-    return used
+def _note_global_loss(grad: torch.Tensor) -> None:
+    # runs in the backward, under the strategy's StepStateMode: only a loss that is
+    # back-propagated decides the gradient scale
+    state = current_step_state()
+    if state is not None:
+        state.global_mean_used = True
 
 
 def _world(group) -> int:
@@ -64,8 +63,8 @@ def _global(values, reduction, mask, group, out_dtype, count: Optional[int] = No
         raise ValueError("values: expected at least one element on some rank, got none")
     combine = _combine(group, masked=mask is not None)
     out = exact_loss_reduce(values, reduction, mask=mask, out_dtype=out_dtype, count=count, combine=combine)
-    if out.requires_grad:  # only a loss that is back-propagated decides the gradient scale
-        _state.used = True
+    if out.requires_grad:
+        out.register_hook(_note_global_loss)
     return out
 
 

@@ -17,6 +17,9 @@ How it differs from Lightning's DDPStrategy:
 - value checks of a training step's inputs (cross-entropy targets) are resolved after its
   backward is queued and before its gradients are reduced and applied, not with a host
   synchronization in the forward (``lightning_det.ops.deferred_checks``);
+- the step's state (gradient digits, eager rounding, deferred checks, the global-mean flag, the
+  GEMM plan mode) is one :class:`~lightning_det.nn.step_state.StepState` that the strategy owns
+  (``step_state``) and passes to the det modules and to its function modes;
 - gradient-norm clipping is exact (``clip_grad_norm_exact_``); ``self.log(..., sync_dist=True)``
   and ``reduce`` are exact reductions;
 - strict environment (deterministic algorithms, TF32 off, cuBLAS workspace, NCCL pinned);
@@ -34,15 +37,14 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
-from ..nn.attention import det_function_mode
-from ..ops import slices_guess
-from ..ops.deferred_checks import DeferredChecks, deferring_checks
-from ..nn.grad_digits import eager_rounding, set_grad_digits
+from ..nn.function_mode import det_function_mode
+from ..nn.grad_digits import set_grad_digits
+from ..nn.step_state import StepState, StepStateMode
 from ..optim.clip import clip_grad_norm_exact_
 from ..parallel.audit import OpAudit
 from ..parallel.env import apply_strict_environment
 from ..parallel.grad_sync import grad_scale_exp, sync_gradients
-from ..parallel.loss import consume_global_mean_flag, global_loss_reduce
+from ..parallel.loss import global_loss_reduce
 from ..parallel.reduce import exact_reduce
 
 log = logging.getLogger(__name__)
@@ -53,8 +55,8 @@ _GEMM_PLANS = ("auto", "cached", "sync")
 
 
 def gemm_plans_mode(gemm_plans: str, device_type: str) -> str:
-    """The :func:`lightning_det.ops.slices_guess` mode of a strategy's ``gemm_plans`` on a device:
-    "auto" is "cached" on CUDA (no host synchronization per GEMM in the step) and the
+    """The GEMM ``plans`` mode (:func:`lightning_det.ops.det_gemm`) of a strategy's ``gemm_plans``
+    on a device: "auto" is "cached" on CUDA (no host synchronization per GEMM in the step) and the
     device's default elsewhere (on the CPU a synchronization costs nothing)."""
     if gemm_plans == "auto":
         return "cached" if device_type == "cuda" else "default"
@@ -74,7 +76,7 @@ class DeterministicStrategy(DDPStrategy):
             contribution in the step's last backward (no earlier micro-batch, one counted use)
             be rounded right there instead of holding 152 bytes per element of digits until
             the step (default True; the same bytes either way, see
-            :mod:`lightning_det.nn.grad_digits`). Turn it off for a second backward through a
+            :mod:`lightning_det.nn.step_state`). Turn it off for a second backward through a
             retained graph, which would otherwise raise.
         gemm_plans: how the exact GEMMs plan their integer slices inside training steps (forward
             and backward): ``"auto"`` (default) takes cached plans on CUDA and plans from each
@@ -83,7 +85,8 @@ class DeterministicStrategy(DDPStrategy):
             step has no host synchronization and the host queues it ahead of the GPU (on the
             H200 the steady-state det_ddp step took 15.0 instead of 21.8 ms: benchmarks/NOTES.md,
             session 18); ``"sync"`` every GEMM waits for its own summaries. The bytes are the same
-            under all three (:func:`lightning_det.ops.slices_guess`).
+            under all three (the ``plans`` argument of :func:`lightning_det.ops.det_gemm`, which the
+            step state passes to the det modules and det attention).
     """
 
     strategy_name = "det_ddp"
@@ -106,13 +109,15 @@ class DeterministicStrategy(DDPStrategy):
         self.det_unverified_reasons: list = []
         self.det_last_sync: dict = {}
         self._audited = False
-        self._checks = DeferredChecks()  # the current step's deferred input checks
+        # the step's state, passed to the det modules (set_grad_digits) and to the function modes
+        self.step_state = StepState()
 
     # ---- set-up --------------------------------------------------------------------------
     def setup(self, trainer) -> None:
         super().setup(trainer)
         module = self.lightning_module
-        set_grad_digits(module, True)
+        self.step_state.plans = gemm_plans_mode(self.gemm_plans, self.root_device.type)
+        set_grad_digits(module, self.step_state)
         unverified = list(getattr(module, "ldet_unverified", []) or [])
         for name, m in module.named_modules():
             if getattr(m, "ldet_unverified", None) and m is not module:
@@ -182,7 +187,7 @@ class DeterministicStrategy(DDPStrategy):
         eager = self.eager_rounding and self.world_size == 1
 
         def closure_then_sync():
-            with eager_rounding(self.lightning_module, enabled=eager):
+            with self.step_state.eager_rounding(enabled=eager):
                 if self.audit and not self._audited:
                     with OpAudit(self.lightning_module) as audit:
                         result = closure()
@@ -194,7 +199,7 @@ class DeterministicStrategy(DDPStrategy):
                     result = closure()
             # the forward's deferred input checks (det_cross_entropy's targets), before anything
             # reduces or applies the gradients they fed: raises on bad input, nothing changed yet
-            self._checks.resolve()
+            self.step_state.checks.resolve()
             self.sync_gradients(optimizer)
             return result
 
@@ -203,8 +208,8 @@ class DeterministicStrategy(DDPStrategy):
     def sync_gradients(self, optimizer) -> dict:
         """Reduces all gradients of ``optimizer``'s params exactly and rounds them once."""
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        scale = grad_scale_exp(self.world_size, consume_global_mean_flag())
-        stats = sync_gradients(params, scale_exp=scale)
+        scale = grad_scale_exp(self.world_size, self.step_state.consume_global_mean())
+        stats = sync_gradients(params, self.step_state, scale_exp=scale)
         if stats["rounded_only"] and "params with rounded-only gradients" not in self.det_unverified_reasons:
             self.det_unverified_reasons.append("params with rounded-only gradients")
             msg = (f"{stats['rounded_only']} parameter(s) received ordinary rounded gradients (not from det "
@@ -216,33 +221,34 @@ class DeterministicStrategy(DDPStrategy):
         self.det_last_sync = stats
         return stats
 
-    def _function_mode(self):
+    def _function_mode(self, state: Optional[StepState]):
         # F.scaled_dot_product_attention / F.cross_entropy in the user's code go to the det
-        # versions; cross-entropy means and sums are taken over every rank's rows
-        return det_function_mode(strict=self.strict, loss_reduce=global_loss_reduce)
+        # versions; cross-entropy means and sums are taken over every rank's rows; code in a
+        # training step finds the step state through it (a validation step has none: its checks
+        # are decided at once)
+        return det_function_mode(strict=self.strict, loss_reduce=global_loss_reduce, state=state)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # value checks of the step's inputs wait for optimizer_step instead of synchronizing the
-        # host in the forward (lightning_det.ops.deferred_checks)
+        # host in the forward (the step state's checks, lightning_det.ops.deferred_checks)
         try:
-            with self._function_mode(), deferring_checks(self._checks), self._gemm_plans():
+            with self._function_mode(self.step_state):
                 out = super().training_step(*args, **kwargs)
         except BaseException:
-            self._checks.discard()
+            self.step_state.checks.discard()
             raise
         if not self.lightning_module.automatic_optimization:
-            self._checks.resolve()  # manual optimization: the step's own optimizer_step calls resolved theirs
+            self.step_state.checks.resolve()  # manual optimization: the step's own optimizer_step calls resolved theirs
         return out
 
     def backward(self, closure_loss, optimizer, *args: Any, **kwargs: Any):
-        with self._gemm_plans():  # every micro-batch's backward, manual_backward too
+        # every micro-batch's backward, manual_backward too: a global loss back-propagated here
+        # marks the step state (lightning_det.parallel.loss)
+        with StepStateMode(self.step_state):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
-    def _gemm_plans(self):
-        return slices_guess(gemm_plans_mode(self.gemm_plans, self.root_device.type))
-
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._function_mode():
+        with self._function_mode(None):
             return super().validation_step(*args, **kwargs)
 
     # ---- logging -------------------------------------------------------------------------

@@ -17,38 +17,48 @@ import torch.distributed as dist
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 
 from ..nn.grad_digits import set_grad_digits
+from ..nn.step_state import StepState, StepStateMode
 from ..optim.clip import clip_grad_norm_exact_
 from ..parallel.env import apply_strict_environment
 from ..parallel.grad_sync import grad_scale_exp, sync_gradients
-from ..parallel.loss import consume_global_mean_flag
 from ..parallel.reduce import exact_reduce
 
 __all__ = ["FabricDeterministicStrategy"]
 
 
 class FabricDeterministicStrategy(FabricDDPStrategy):
-    """Fabric's DDPStrategy without the DDP wrapper; gradients reduced as digits."""
+    """Fabric's DDPStrategy without the DDP wrapper; gradients reduced as digits.
+
+    The step's state (gradient digits, the global-mean flag) is one StepState the strategy owns
+    (``step_state``) and binds to the det modules of every module it sets up.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.det_environment = apply_strict_environment()
         super().__init__(*args, **kwargs)
         self.det_last_sync: dict = {}
+        self.step_state = StepState()
         self._synced = False  # clip_gradients may sync before optimizer.step does
 
     def _sync(self, optimizer) -> None:
         if not self._synced:
             params = [p for g in optimizer.param_groups for p in g["params"]]
-            scale = grad_scale_exp(self.world_size, consume_global_mean_flag())
-            self.det_last_sync = sync_gradients(params, scale_exp=scale)
+            scale = grad_scale_exp(self.world_size, self.step_state.consume_global_mean())
+            self.det_last_sync = sync_gradients(params, self.step_state, scale_exp=scale)
             self._synced = True
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        set_grad_digits(module, True)
+        set_grad_digits(module, self.step_state)
         if dist.is_available() and dist.is_initialized() and self.world_size > 1:
             with torch.no_grad():
                 for t in list(module.parameters()) + list(module.buffers()):
                     dist.broadcast(t.data, src=0)
         return module
+
+    def backward(self, tensor: torch.Tensor, module, *args: Any, **kwargs: Any) -> None:
+        # a global loss back-propagated here marks the step state (lightning_det.parallel.loss)
+        with StepStateMode(self.step_state):
+            return super().backward(tensor, module, *args, **kwargs)
 
     def no_backward_sync(self, module, enabled: bool):
         import contextlib

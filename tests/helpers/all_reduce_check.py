@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from lightning_det.nn.grad_digits import DIGITS_ATTR  # noqa: E402
+from lightning_det.nn import StepState  # noqa: E402
 from lightning_det.ops import det_all_reduce, det_combine, det_finalize, det_gemm_partial, to_digits  # noqa: E402
 from lightning_det.parallel.grad_sync import sync_gradients  # noqa: E402
 from lightning_det.ops.distributed import det_all_reduce_windowed  # noqa: E402
@@ -153,17 +153,19 @@ def check(name, make, rank: int, world: int, block=None) -> None:
               f"of {stats['blocks']}, fast_blocks={stats['fast_blocks']}", flush=True)
 
 
-def grad_params(rank: int) -> list:
-    """Parameters as a det_ddp step leaves them: digit gradients (a weight, a bias, one of NaN),
-    one with only a rounded .grad (a module outside digit mode) and one that got no gradient."""
+def grad_params(rank: int):
+    """Parameters and their step state as a det_ddp step leaves them: digit gradients (a weight,
+    a bias, one of NaN), one with only a rounded .grad (a module outside digit mode) and one that
+    got no gradient."""
     shapes = [(96, 160), (96,), (300,), (5, 7), (33,)]
     params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    state = StepState()
     d = real_like(rank)
-    setattr(params[0], DIGITS_ATTR, d[: 96 * 160].reshape(96, 160, WORDS).clone())
-    setattr(params[1], DIGITS_ATTR, d[96 * 160 : 96 * 161].reshape(96, WORDS).clone())
-    setattr(params[2], DIGITS_ATTR, specials(rank)[:300].clone())
+    state.add_grad_digits(params[0], d[: 96 * 160].reshape(96, 160, WORDS).clone())
+    state.add_grad_digits(params[1], d[96 * 160 : 96 * 161].reshape(96, WORDS).clone())
+    state.add_grad_digits(params[2], specials(rank)[:300].clone())
     params[3].grad = torch.randn(5, 7, generator=_gen(rank, 8)) * 2.0 ** (-20 * rank)
-    return params
+    return params, state
 
 
 def check_sync_buckets(rank: int, world: int) -> None:
@@ -172,18 +174,18 @@ def check_sync_buckets(rank: int, world: int) -> None:
     one bucket for all; against det_finalize of the Python-integer sum of every rank's digits."""
     every = [grad_params(r) for r in range(world)]
     want = []
-    for i, p in enumerate(every[0]):
-        accs = [getattr(ps[i], DIGITS_ATTR) if hasattr(ps[i], DIGITS_ATTR)
+    for i, p in enumerate(every[0][0]):
+        accs = [st.grad_digits(ps[i]) if st.grad_digits(ps[i]) is not None
                 else to_digits(ps[i].grad) if ps[i].grad is not None
-                else torch.zeros((*p.shape, WORDS), dtype=torch.int64) for ps in every]
+                else torch.zeros((*p.shape, WORDS), dtype=torch.int64) for ps, st in every]
         want.append(det_finalize(exact_sum_reference(accs).reshape(*p.shape, WORDS), torch.float32))
     for bucket in (1, 400, 1 << 20):
-        params = grad_params(rank)
-        stats = sync_gradients(params, bucket_elements=bucket)
+        params, state = grad_params(rank)
+        stats = sync_gradients(params, state, bucket_elements=bucket)
         assert stats["exact"] == 3 and stats["rounded_only"] == 1, stats
         assert stats["elements"] == sum(p.numel() for p in params), stats
         for i, p in enumerate(params):
-            assert not hasattr(p, DIGITS_ATTR), f"param {i}: digits kept after the sync"
+            assert state.grad_digits(p) is None, f"param {i}: digits kept after the sync"
             same = torch.equal(p.grad.view(torch.int32), want[i].view(torch.int32))  # bit patterns: NaN == NaN
             assert same, f"bucket_elements={bucket}: param {i} != exact sum rounded once"
     if rank == 0:

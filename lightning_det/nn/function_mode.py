@@ -1,0 +1,114 @@
+"""det_function_mode: sends PyTorch functions that have a det version to it, inside a ``with`` block.
+
+det_ddp enters one around every training and validation step, constructed with its step state.
+"""
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Callable, Optional
+
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from .attention import det_scaled_dot_product_attention
+from .loss import cross_entropy_rows, cross_entropy_unsupported, det_cross_entropy_checked
+from .step_state import StepState, StepStateMode
+
+__all__ = ["det_function_mode"]
+
+
+class _DetFunctionMode(StepStateMode):
+    # a StepStateMode: set aside inside trusted regions (lightning_det.ops.trust), the det ops'
+    # internals call nothing this mode redirects
+
+    def __init__(self, strict: bool, loss_reduce: Optional[Callable], state: Optional[StepState]) -> None:
+        super().__init__(state)
+        self.strict, self.loss_reduce = strict, loss_reduce
+        self._reduce_takes_count = loss_reduce is not None and _takes_count(loss_reduce)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is F.scaled_dot_product_attention:
+            if kwargs.pop("enable_gqa", False):
+                raise ValueError("enable_gqa: det attention does not support grouped-query attention; "
+                                 "repeat the key/value heads first")
+            state = self.ldet_step_state
+            return det_scaled_dot_product_attention(*args, plans="default" if state is None else state.plans, **kwargs)
+        if func is F.cross_entropy:
+            return self._cross_entropy(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _cross_entropy(self, func, args, kwargs):
+        bound = _CE_SIGNATURE.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        reason = cross_entropy_unsupported(a["input"], a["target"], a["weight"], a["size_average"], a["reduce"],
+                                           a["label_smoothing"])
+        if reason is not None:
+            if self.strict:
+                raise ValueError(reason + " (det_function_mode, strict: pass strict=False to fall back to "
+                                 "PyTorch's cross_entropy, outside the verified set)")
+            warnings.warn(reason + "; PyTorch's F.cross_entropy runs instead (outside the verified set)", stacklevel=3)
+            return func(*args, **kwargs)
+        # this mode is off inside its own handler: the step's checks are passed, not looked up
+        checks = None if self.ldet_step_state is None else self.ldet_step_state.checks
+        if self.loss_reduce is None or a["reduction"] == "none":
+            return det_cross_entropy_checked(a["input"], a["target"], a["ignore_index"], a["reduction"], checks)
+        reduction = a["reduction"]
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction: expected 'mean', 'sum' or 'none', got {reduction!r}")
+        rows, valid, n_valid = cross_entropy_rows(a["input"], a["target"], a["ignore_index"])
+        if self._reduce_takes_count:  # the row count is known here: no second read of the mask
+            return self.loss_reduce(rows, valid, reduction, a["input"].dtype, count=n_valid)
+        return self.loss_reduce(rows, valid, reduction, a["input"].dtype)
+
+
+def _takes_count(fn: Callable) -> bool:
+    """Whether a loss_reduce accepts ``count=`` (global_loss_reduce does; a user's may not)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+    return "count" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _ce_signature(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                  reduction="mean", label_smoothing=0.0):
+    """F.cross_entropy's signature, for binding a call's arguments by name."""
+
+
+_CE_SIGNATURE = inspect.signature(_ce_signature)
+
+
+def det_function_mode(strict: bool = True, loss_reduce: Optional[Callable] = None,
+                      state: Optional[StepState] = None) -> TorchFunctionMode:
+    """A context manager that sends PyTorch functions with a det version to it.
+
+        with det_function_mode():
+            y = model(x)   # F.scaled_dot_product_attention: exact and batch-invariant
+            loss = F.cross_entropy(y, t)   # also nn.CrossEntropyLoss: exact, device-invariant
+
+    Redirected: ``F.scaled_dot_product_attention`` -> :func:`det_scaled_dot_product_attention`
+    and ``F.cross_entropy`` (which ``nn.CrossEntropyLoss`` calls) -> :func:`det_cross_entropy`.
+    A torch function mode is off inside its own handler, so the det kernels' internals are not
+    touched. Wrap forward and the loss alike; the backward is the det Functions' own and needs
+    no mode. det_ddp applies it around every training and validation step.
+
+    Args:
+        strict: cross_entropy options the det version lacks (``weight``, ``label_smoothing``,
+            class-probability targets, (N, C, d1, ...) inputs, float64) raise a ValueError naming
+            the argument; with False they warn and run PyTorch's own function (det_ddp's op audit of
+            the first step then labels the run unverified).
+        loss_reduce: ``(per_row_losses fp32 (N,), valid bool (N,), reduction, out_dtype) -> loss``
+            used for reduction 'mean' and 'sum' instead of this process's exact reduction; one
+            that also takes ``count=`` gets the number of valid rows (known here already).
+            det_ddp passes :func:`lightning_det.parallel.loss.global_loss_reduce`: the exact
+            mean / sum over the rows of every rank, so the loss and its gradient are the same at
+            any world size.
+        state: the step's :class:`~lightning_det.nn.step_state.StepState` (det_ddp passes its
+            own): the redirected functions take its GEMM plans, value checks of cross-entropy
+            targets with reduction 'none' are deferred to its ``checks``, and code inside the
+            block (``global_mean``, ``det_cross_entropy``) finds it (:func:`current_step_state`).
+    """
+    return _DetFunctionMode(strict, loss_reduce, state)

@@ -1,0 +1,224 @@
+"""StepState: everything one training step carries between the layers, in one object.
+
+The owner of the step (det_ddp, the Fabric strategy, or a plain PyTorch loop) makes one
+StepState, binds the model's det modules to it (:func:`lightning_det.nn.set_grad_digits`), and
+reads it back when the step's gradients are rounded. It holds:
+
+- ``plans``: how the exact GEMMs of the step plan their integer slices (the ``plans`` argument
+  of :func:`lightning_det.ops.det_gemm`; the bytes never depend on it);
+- the unrounded gradient of each parameter (a LongAcc of shape ``(*param.shape, 19)``), keyed
+  by the Parameter object, which the det modules' backward add into in digit mode;
+- eager rounding (``eager``) and what it needs: forward-use counts and gradients rounded in the
+  backward, waiting for the owner;
+- ``checks``: value checks of the step's inputs, resolved by the owner (DeferredChecks);
+- ``global_mean_used``: whether a global loss (:func:`lightning_det.global_mean`) was
+  back-propagated, so the owner skips its 1/N gradient scale.
+
+Eager rounding (``with state.eager_rounding():`` around the step's one backward, world size 1):
+the digits of a parameter with exactly one contribution in that backward would be rounded once
+anyway, so its module rounds it there and then (the ordinary exact GEMM with a rounded output)
+and never allocates its 152 bytes per element of digits. "Exactly one" is proved per parameter:
+each det module's forward counts the uses of its parameters that require grad (in any grad mode,
+so a forward that a reentrant checkpoint will recompute counts too), each backward contribution
+takes one off, and a contribution rounds eagerly only when it is the single counted use and no
+digits are pending. Anything uncounted that arrives later (a second backward through a retained
+graph, a checkpointed segment recomputed after the rounding) raises instead of rounding twice.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..ops import LongAcc, det_combine, det_normalize
+from ..ops.deferred_checks import DeferredChecks
+from ..ops.longacc import _plans_arg, check_acc
+
+__all__ = ["StepState", "StepStateMode", "current_step_state"]
+
+
+class StepState:
+    """The state of one training step, passed explicitly to whatever needs it.
+
+    Args:
+        plans: the GEMM plan mode of the step's det modules: ``"default"``, ``"cached"``,
+            ``"sync"`` or ``(slices_x, slices_w)`` (as :func:`lightning_det.ops.det_gemm`'s).
+    """
+
+    def __init__(self, plans="default") -> None:
+        _plans_arg(plans)  # checked here, once, not at the first GEMM
+        self.plans = plans
+        self.eager = False
+        self.global_mean_used = False
+        self.checks = DeferredChecks()
+        # id(param) -> [param, digits, owned]: owned = made or handed over here, so writable
+        self._digits: Dict[int, list] = {}
+        self._rounded: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> (param, grad)
+        self._uses: Dict[int, list] = {}  # id(param) -> [param, forward uses whose backward is due]
+
+    # ---- forward ---------------------------------------------------------------------------
+    def note_forward_use(self, *params: Optional[torch.Tensor]) -> None:
+        """A det module's forward: each param (that requires grad) expects one more backward
+        contribution. Counted in any grad mode: a forward under no_grad may be recomputed with grad
+        later (reentrant activation checkpointing), and over-counting (a forward whose output never
+        reaches a loss) only keeps that parameter on the digit path. Under-counting is what would
+        be unsafe, and a contribution arriving after an eager rounding raises."""
+        for p in params:
+            if p is not None and p.requires_grad:
+                entry = self._uses.get(id(p))
+                if entry is None:
+                    self._uses[id(p)] = [p, 1]
+                else:
+                    entry[1] += 1
+
+    def clear_forward_uses(self) -> None:
+        """Forgets the counts (their backward is done; leftovers were over-counts)."""
+        self._uses.clear()
+
+    @contextmanager
+    def eager_rounding(self, enabled: bool = True) -> Iterator[None]:
+        """Lets the bound det modules round single-contribution gradients at once.
+
+        Must enclose the forward and the backward of the step's last (or only) micro-batch, and
+        only where the pending digits would then be rounded with no reduction and no scale: one
+        process (world size 1). Entering forgets earlier forward-use counts (their backward is
+        done). The rounded gradients wait here (:meth:`take_rounded_grad`) for the step's owner.
+        """
+        if not enabled:
+            yield
+            return
+        self.clear_forward_uses()
+        self.eager = True
+        try:
+            yield
+        finally:
+            self.eager = False
+
+    # ---- backward --------------------------------------------------------------------------
+    def contribute(self, param: torch.Tensor, digits: Callable[[], LongAcc],
+                   rounded: Callable[[], torch.Tensor]) -> None:
+        """A det module's backward hands over one exact contribution to ``param``'s gradient.
+
+        Args:
+            param: the parameter receiving the contribution.
+            digits: makes the contribution as a canonical LongAcc ``(*param.shape, 19)``, handed over.
+            rounded: makes the same exact sum rounded once to the param's dtype, shape ``param.shape``.
+                Called instead of ``digits`` only when this is provably the parameter's one
+                contribution of a backward under :meth:`eager_rounding`.
+        """
+        entry = self._uses.get(id(param))
+        uses = entry[1] if entry is not None and entry[0] is param else 0
+        if uses > 0:
+            entry[1] = uses - 1
+        if id(param) in self._rounded:
+            raise RuntimeError(
+                f"param: a gradient contribution (shape {tuple(param.shape)}) arrived after this parameter's "
+                "gradient was already rounded as its only one (eager rounding); a second backward through a "
+                "retained graph or a recomputed checkpoint segment does that. Construct the strategy with "
+                "eager_rounding=False to keep every gradient as digits until the step."
+            )
+        if self.eager and uses == 1 and self.grad_digits(param) is None:
+            self._rounded[id(param)] = (param, rounded())
+            return
+        self.add_grad_digits(param, digits(), take=True)
+
+    def add_grad_digits(self, param: torch.Tensor, acc: LongAcc, *, take: bool = False) -> None:
+        """Adds an exact gradient contribution (LongAcc of shape ``(*param.shape, 19)``, canonical).
+
+        Args:
+            param: the parameter whose pending digits receive the contribution.
+            acc: int64 ``(*param.shape, 19)`` on the parameter's pending digits' device.
+            take: the caller hands ``acc`` over (it keeps no reference and will not read it
+                again), so it may become the pending digits and later sums may go into it in place:
+                one full copy of the digits fewer at the memory peak of gradient accumulation. The
+                det modules pass True for the tensors their backward just made; with False the
+                caller's tensor is never written.
+        """
+        check_acc(acc, "acc")
+        if acc.shape[:-1] != param.shape:
+            raise ValueError(f"acc: expected shape {(*param.shape, 19)} for this parameter, got {tuple(acc.shape)}")
+        entry = self._digits.get(id(param))
+        if entry is None:
+            self._digits[id(param)] = [param, acc, take]
+            return
+        prev, owned = entry[1], entry[2]
+        if owned:
+            if acc.device != prev.device:
+                raise ValueError(f"acc: expected device {prev.device} like the pending digits, got {acc.device}")
+            # Two canonical accumulators: the sum is far inside every digit's headroom (longacc.h).
+            prev.add_(acc)
+            total = det_normalize(prev)
+        else:
+            total = det_combine([prev, acc])
+        entry[1], entry[2] = total, True  # made here: nobody else holds it
+
+    # ---- the owner, after the backward -------------------------------------------------------
+    def grad_digits(self, param: torch.Tensor) -> Optional[LongAcc]:
+        """The pending unrounded gradient of ``param``, or None."""
+        entry = self._digits.get(id(param))
+        return entry[1] if entry is not None and entry[0] is param else None
+
+    def pop_grad_digits(self, param: torch.Tensor) -> Optional[LongAcc]:
+        """Removes and returns ``param``'s pending digits, or None."""
+        acc = self.grad_digits(param)
+        if acc is not None:
+            del self._digits[id(param)]
+        return acc
+
+    def rounded_grad(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """``param``'s eagerly rounded gradient waiting for the owner, or None."""
+        entry = self._rounded.get(id(param))
+        return entry[1] if entry is not None and entry[0] is param else None
+
+    def take_rounded_grad(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """Removes and returns ``param``'s eagerly rounded gradient, or None."""
+        g = self.rounded_grad(param)
+        if g is not None:
+            del self._rounded[id(param)]
+        return g
+
+    def pending_params(self) -> List[torch.Tensor]:
+        """The parameters holding pending digits or an eagerly rounded gradient."""
+        return [e[0] for e in self._digits.values()] + [p for p, _ in self._rounded.values()]
+
+    def consume_global_mean(self) -> bool:
+        """True if a global loss took part in a backward since the last call (the owner then skips
+        its 1/N scale)."""
+        used, self.global_mean_used = self.global_mean_used, False
+        return used
+
+
+class StepStateMode(TorchFunctionMode):
+    """A torch function mode that carries a StepState to code that runs without a det module.
+
+    The global losses (:func:`lightning_det.global_mean`) and ``det_cross_entropy``'s deferred
+    checks run in the user's code, outside any module bound to the state: they find the state
+    of the innermost such mode on the torch function mode stack (:func:`current_step_state`).
+    This mode redirects nothing; :func:`lightning_det.nn.det_function_mode` is one that also
+    redirects. The owner of the step enters one around the user's step and its backward.
+    """
+
+    # set aside inside trusted regions (lightning_det.ops.trust), like the redirect mode: a det
+    # op's internals look nothing up, and every torch call through a Python mode costs host time
+    ldet_redirect_mode = True
+
+    def __init__(self, state: Optional[StepState]) -> None:
+        super().__init__()
+        if state is not None and not isinstance(state, StepState):
+            raise TypeError(f"state: expected a StepState or None, got {type(state).__name__}")
+        self.ldet_step_state = state
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def current_step_state() -> Optional[StepState]:
+    """The StepState of the innermost StepStateMode on this thread's torch function mode stack
+    (autograd's backward sees the stack of the thread that started it), or None."""
+    for i in range(torch._C._len_torch_function_stack() - 1, -1, -1):
+        state = getattr(torch._C._get_function_stack_at(i), "ldet_step_state", None)
+        if state is not None:
+            return state
+    return None
