@@ -1,6 +1,7 @@
 """Exact modules (no Lightning import): DetLinear and friends, det_transform, and the
 digit-gradient hook for det_ddp."""
 from .activation import DetGELU, DetReLU, DetSiLU, DetTanh
+from .conv1d import DetConv1D
 from .attention import DetMultiheadSelfAttention, det_function_mode, det_scaled_dot_product_attention
 from .embedding import DetEmbedding
 from .functional import det_col_sums, det_exp, det_gelu, det_relu, det_row_sums, det_silu, det_tanh
@@ -8,11 +9,12 @@ from .grad_digits import add_grad_digits, finalize_grad_digits, grad_digits, set
 from .linear import DetLinear
 from .loss import det_cross_entropy
 from .norm import DetLayerNorm, DetRMSNorm
-from .transform import DET_MODULES, UnsupportedModuleError, det_transform
+from .transform import DET_MODULES, UnsupportedModuleError, det_transform, register_det_module
 from .verified import VERIFIED_FUNCTIONS, VERIFIED_MODULES
 
 __all__ = [
     "DetLinear",
+    "DetConv1D",
     "DetEmbedding",
     "DetLayerNorm",
     "DetRMSNorm",
@@ -32,6 +34,7 @@ __all__ = [
     "det_row_sums",
     "det_col_sums",
     "det_transform",
+    "register_det_module",
     "UnsupportedModuleError",
     "DET_MODULES",
     "VERIFIED_MODULES",
