@@ -33,10 +33,11 @@ def test_audit_records_and_flags_unverified_ops():
     x = torch.randn(5, 8)
     with OpAudit(model) as audit:
         model(x).sum().backward()
-    bad = dict(audit.violations())
-    assert "aten.addmm" in bad and bad["aten.addmm"] == "1", bad  # nn.Linear at index 1
-    assert "aten.sum" in bad
-    with pytest.raises(UnverifiedOpError, match=r"aten\.addmm  \(in module '1'\)"):
+    bad = {(op, where) for op, where, _ in audit.violations()}
+    assert ("aten.addmm", "'1' (Linear)") in bad, bad  # nn.Linear at index 1
+    assert ("aten.sum", "code outside any module") in bad, bad  # the loss's .sum()
+    assert ("aten.sum", "backward of AddmmBackward0") in bad, bad  # nn.Linear's bias gradient
+    with pytest.raises(UnverifiedOpError, match=r"aten\.addmm x1 in '1' \(Linear\)"):
         audit.check(strict=True)
     with pytest.warns(UserWarning, match="outside lightning_det's verified set"):
         assert audit.check(strict=False) is False
@@ -54,7 +55,7 @@ def test_audit_accepts_det_modules_and_per_sample_losses():
     # the mean-reduced loss is a batch reduction: flagged
     with OpAudit(model) as audit:
         F.cross_entropy(model(idx), tgt).backward()
-    assert any(op.startswith("aten.nll_loss") for op, _ in audit.violations())
+    assert any(op.startswith("aten.nll_loss") for op, _, _ in audit.violations())
 
 
 def test_verified_set_is_data():

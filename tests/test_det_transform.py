@@ -163,4 +163,6 @@ def test_verified_table_covers_every_swap():
     names = {c.__name__ for c in DET_MODULES}
     assert {v["replacement"] for v in VERIFIED_MODULES.values()} == names
     for k, v in VERIFIED_MODULES.items():
-        assert getattr(nn, k).__name__ == k and "cpu" in v["verified_on"] and v["invariances"]
+        assert "cpu" in v["verified_on"] and v["invariances"]
+        if "." not in k:  # a torch.nn class; dotted keys name a library's class
+            assert getattr(nn, k).__name__ == k

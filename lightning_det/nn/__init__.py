@@ -2,6 +2,7 @@
 and the step state that carries a training step's gradient digits between the layers."""
 from .activation import DetGELU, DetReLU, DetSiLU, DetTanh
 from .attention import DetMultiheadSelfAttention, det_scaled_dot_product_attention
+from .conv1d import DetConv1D
 from .embedding import DetEmbedding
 from .functional import det_col_sums, det_exp, det_gelu, det_relu, det_row_sums, det_silu, det_tanh
 from .function_mode import det_function_mode
@@ -10,11 +11,12 @@ from .linear import DetLinear
 from .loss import det_cross_entropy
 from .norm import DetLayerNorm, DetRMSNorm
 from .step_state import StepState, StepStateMode, current_step_state
-from .transform import DET_MODULES, UnsupportedModuleError, det_transform
+from .transform import DET_MODULES, UnsupportedModuleError, det_transform, register_det_module
 from .verified import VERIFIED_FUNCTIONS, VERIFIED_MODULES
 
 __all__ = [
     "DetLinear",
+    "DetConv1D",
     "DetEmbedding",
     "DetLayerNorm",
     "DetRMSNorm",
@@ -34,6 +36,7 @@ __all__ = [
     "det_row_sums",
     "det_col_sums",
     "det_transform",
+    "register_det_module",
     "UnsupportedModuleError",
     "DET_MODULES",
     "VERIFIED_MODULES",

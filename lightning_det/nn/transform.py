@@ -1,12 +1,28 @@
 """det_transform: swap a model's modules for their Det versions in place (torchao quantize_ style).
 
-    model = det_transform(model)                       # strict: uncovered parameters raise
+    model = det_transform(model)                       # strict: uncovered modules raise
     model = det_transform(model, strict=False)         # warn; model.ldet_unverified lists them
     model = det_transform(model, filter_fn=lambda m, fqn: not fqn.startswith("head"))
+    register_det_module(MyNorm, lambda m: ...)        # your own class -> its Det version
 
 The swap changes only each module's class (``__class__``), so the Parameter objects, their
 names and the ``state_dict`` keys stay exactly as they were: checkpoints load both ways, and an
 optimizer built before the transform still holds the right tensors.
+
+Which modules are swapped, first rule that applies:
+
+1. a class registered with :func:`register_det_module` (exact class): its factory;
+2. a covered PyTorch class (``_SWAPS``), exactly;
+3. a subclass of a covered PyTorch class that keeps the base's ``forward`` (and adds no
+   parameters or children), e.g. torch's ``NonDynamicallyQuantizableLinear`` or a LayerNorm
+   subclass that only changes ``__init__``: the base's Det class. A subclass that overrides
+   ``forward`` computes something the library cannot know, and is reported;
+4. a library lookalike recognised by structure and by its forward's code
+   (:mod:`lightning_det.nn.lookalikes`): HF ``Conv1D``, Llama/Qwen2/T5-style RMSNorms, HF
+   ``SiLUActivation``, ``NewGELUActivation``, ``GELUActivation``, ``GELUTanh``.
+
+Everything else is reported (strict: raised) when it holds parameters directly, or when it is
+an activation module (from ``torch.nn`` or ``transformers.activations``) with no Det version.
 """
 from __future__ import annotations
 
@@ -16,16 +32,20 @@ from typing import Callable, Optional
 from torch import nn
 
 from .activation import DetGELU, DetReLU, DetSiLU, DetTanh
+from .conv1d import DetConv1D
 from .embedding import DetEmbedding, _check_options
 from .linear import DetLinear
+from .lookalikes import match_lookalike
 from .norm import DetLayerNorm, DetRMSNorm
 
-__all__ = ["det_transform", "UnsupportedModuleError", "DET_MODULES", "UNVERIFIED_ATTR"]
+__all__ = [
+    "det_transform", "register_det_module", "UnsupportedModuleError", "DET_MODULES", "UNVERIFIED_ATTR",
+    "supported_summary",
+]
 
 UNVERIFIED_ATTR = "ldet_unverified"
 
-# PyTorch class -> Det class; exact class match, so a user subclass with its own forward is not
-# silently swapped (its forward would be replaced).
+# PyTorch class -> Det class (rules 2 and 3 above)
 _SWAPS: dict[type, type] = {
     nn.Linear: DetLinear,
     nn.Embedding: DetEmbedding,
@@ -36,15 +56,89 @@ _SWAPS: dict[type, type] = {
     nn.Tanh: DetTanh,
     nn.ReLU: DetReLU,
 }
-DET_MODULES: tuple[type, ...] = tuple(_SWAPS.values())
+DET_MODULES: tuple[type, ...] = tuple(_SWAPS.values()) + (DetConv1D,)
+
+# user class -> factory (rule 1)
+_REGISTERED: dict[type, Callable[[nn.Module], nn.Module]] = {}
+
+# where activation modules live: a parameterless module from these that is not swapped is
+# reported, since its op would otherwise be found only by the first step's audit
+_ACTIVATION_MODULES = ("torch.nn.modules.activation", "transformers.activations")
 
 
 class UnsupportedModuleError(ValueError):
-    """A module holding parameters is outside the verified set (strict det_transform)."""
+    """A module outside the verified set (strict det_transform)."""
+
+
+def register_det_module(cls: type, factory: Callable[[nn.Module], nn.Module]) -> None:
+    """Tells :func:`det_transform` how to make a Det version of your own module class.
+
+    Args:
+        cls: an ``nn.Module`` subclass, matched exactly (its subclasses are not).
+        factory: ``factory(module) -> nn.Module``, called with each instance of ``cls`` found;
+            returns the replacement (the same object changed in place, e.g. by a Det class's
+            ``from_*`` constructor, or a new module, which det_transform puts in its place).
+            You vouch that the replacement computes what ``cls`` does with the library's exact
+            modules and verified ops; the first step's op audit still checks the ops it runs.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise TypeError(f"cls: expected an nn.Module subclass, got {cls!r}")
+    if not callable(factory):
+        raise TypeError(f"factory: expected a callable factory(module) -> nn.Module, got {type(factory).__name__}")
+    if cls in _SWAPS or cls in DET_MODULES:
+        raise ValueError(f"cls: {cls.__name__} is already covered by det_transform; register your own classes only")
+    _REGISTERED[cls] = factory
+
+
+def supported_summary() -> str:
+    """The covered modules, in words, for error messages."""
+    torch_names = ", ".join(f"nn.{c.__name__}" for c in _SWAPS)
+    mine = f"; registered: {', '.join(c.__name__ for c in _REGISTERED)}" if _REGISTERED else ""
+    return (f"{torch_names} and their subclasses that keep forward; HF Conv1D, Llama/T5-style RMSNorm, "
+            f"HF SiLU/GELU activations{mine}")
 
 
 def _describe(fqn: str, module: nn.Module) -> str:
     return f"{fqn or '<root>'} ({type(module).__name__})"
+
+
+def _subclass_base(module: nn.Module) -> Optional[type]:
+    """The covered PyTorch base of a subclass that keeps its ``forward`` and adds no parameters
+    or children (rule 3), else None."""
+    for base in type(module).__mro__[1:]:
+        if base in _SWAPS:
+            if type(module).forward is not base.forward or next(module.children(), None) is not None:
+                return None
+            names = {n for n, _ in module.named_parameters(recurse=False)}
+            return base if names <= {"weight", "bias"} else None
+    return None
+
+
+def _factory(module: nn.Module) -> Optional[Callable[[nn.Module], nn.Module]]:
+    cls = type(module)
+    if cls in _REGISTERED:
+        return _REGISTERED[cls]
+    base = cls if cls in _SWAPS else _subclass_base(module)
+    if base is not None:
+        target = _SWAPS[base]
+
+        def swap(m: nn.Module) -> nn.Module:
+            if target is DetEmbedding:
+                _check_options(m)  # raises with the reason and the fix
+            m.__class__ = target
+            return m
+
+        return swap
+    return match_lookalike(module)
+
+
+def _is_activation(module: nn.Module) -> bool:
+    return type(module).__module__ in _ACTIVATION_MODULES and next(module.parameters(), None) is None
+
+
+def _replace(model: nn.Module, fqn: str, new: nn.Module) -> None:
+    parent_name, _, name = fqn.rpartition(".")
+    setattr(model.get_submodule(parent_name), name, new)
 
 
 def det_transform(
@@ -56,15 +150,16 @@ def det_transform(
 
     Args:
         model: any ``nn.Module``.
-        strict: if True, a module that directly holds parameters and is neither covered nor
-            already a Det module raises :class:`UnsupportedModuleError` naming it. If False,
-            such modules are warned about and listed in ``model.ldet_unverified``.
+        strict: if True, a module that is neither covered nor already a Det module raises
+            :class:`UnsupportedModuleError` naming every such module with its class, when it
+            directly holds parameters or is an activation module without a Det version. If
+            False, such modules are warned about and listed in ``model.ldet_unverified``.
         filter_fn: ``filter_fn(module, fqn) -> bool``; only modules for which it returns True
             are swapped or checked (default: all). A module filtered out is the user's explicit
             choice and is not reported.
 
     Sets ``model.ldet_unverified``: a list of ``"fqn (Class)"`` strings, empty when every
-    parameter lives in a verified module, so a strategy can label the run unverified.
+    parameter and activation lives in a verified module, so a strategy can label the run.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
@@ -74,21 +169,27 @@ def det_transform(
             continue
         if isinstance(module, DET_MODULES):
             continue
-        target = _SWAPS.get(type(module))
-        if target is not None:
-            if target is DetEmbedding:
-                _check_options(module)  # raises with the reason and the fix
-            module.__class__ = target
+        factory = _factory(module)
+        if factory is not None:
+            new = factory(module)
+            if not isinstance(new, nn.Module):
+                raise TypeError(f"det_transform: the factory for {_describe(fqn, module)} returned "
+                                f"{type(new).__name__}, expected an nn.Module")
+            if new is not module:
+                if not fqn:
+                    raise ValueError("model: the root module cannot be replaced by a new object; "
+                                     "make its factory change it in place")
+                _replace(model, fqn, new)
             continue
-        if next(module.parameters(recurse=False), None) is not None:
+        if next(module.parameters(recurse=False), None) is not None or _is_activation(module):
             uncovered.append(_describe(fqn, module))
     if uncovered and strict:
-        supported = ", ".join(sorted(c.__name__ for c in _SWAPS))
         raise UnsupportedModuleError(
-            f"det_transform: {len(uncovered)} module(s) hold parameters outside the verified set: "
+            f"det_transform: {len(uncovered)} module(s) outside the verified set: "
             f"{', '.join(uncovered)}. Their arithmetic is not covered by the bitwise contract. "
-            f"Use one of the supported modules ({supported}), or pass strict=False (the run is "
-            "then labelled unverified), or exclude them with filter_fn."
+            f"Covered: {supported_summary()}. Register a Det version of your own class with "
+            "register_det_module, pass strict=False (the run is then labelled unverified), or "
+            "exclude them with filter_fn."
         )
     if uncovered:
         warnings.warn(

@@ -1,5 +1,9 @@
 """The verified set of modules, as data: what det_transform swaps in, and what was checked where.
 
+Keys are ``torch.nn`` class names, or a library class's dotted path. ``also_matches`` lists the
+lookalike classes det_transform swaps to the same replacement (rules in
+:mod:`lightning_det.nn.transform` and :mod:`lightning_det.nn.lookalikes`).
+
 ``invariances`` name rows of the contract table in DESIGN.md section 1 that the tests
 (tests/test_det_modules.py) assert for the replacement. ``verified_on`` lists the devices the
 tests have passed on; CUDA entries are added only after the GPU run (benchmarks/results/).
@@ -13,6 +17,7 @@ _COMMON = ["run-to-run", "batch (row count)", "position (odd widths 33, 123)"]
 VERIFIED_MODULES: dict[str, dict] = {
     "Linear": {
         "replacement": "DetLinear",
+        "also_matches": ["subclasses that keep forward (torch's NonDynamicallyQuantizableLinear)"],
         "invariances": _COMMON + ["tiling / kernel", "K-sharding", "accumulation (digit mode)", "device"],
         "verified_on": ["cpu", "cuda (H100)", "cuda (H200)"],
     },
@@ -23,18 +28,27 @@ VERIFIED_MODULES: dict[str, dict] = {
     },
     "LayerNorm": {
         "replacement": "DetLayerNorm",
+        "also_matches": ["subclasses that keep forward"],
         "invariances": _COMMON + ["accumulation (digit mode)"],
         "verified_on": ["cpu", "cuda (H200)"],
     },
     "RMSNorm": {
         "replacement": "DetRMSNorm",
+        "also_matches": ["HF LlamaRMSNorm and its copies (Qwen2RMSNorm, MistralRMSNorm, ...)", "HF T5LayerNorm"],
         "invariances": _COMMON + ["accumulation (digit mode)"],
         "verified_on": ["cpu", "cuda (H200)"],
     },
-    "GELU": {"replacement": "DetGELU", "invariances": list(_COMMON), "verified_on": ["cpu", "cuda (H200)"]},
-    "SiLU": {"replacement": "DetSiLU", "invariances": list(_COMMON), "verified_on": ["cpu", "cuda (H200)"]},
+    "GELU": {"replacement": "DetGELU", "invariances": list(_COMMON), "verified_on": ["cpu", "cuda (H200)"],
+             "also_matches": ["HF GELUActivation", "HF NewGELUActivation", "HF GELUTanh"]},
+    "SiLU": {"replacement": "DetSiLU", "invariances": list(_COMMON), "verified_on": ["cpu", "cuda (H200)"],
+             "also_matches": ["HF SiLUActivation"]},
     "Tanh": {"replacement": "DetTanh", "invariances": list(_COMMON), "verified_on": ["cpu", "cuda (H200)"]},
     "ReLU": {"replacement": "DetReLU", "invariances": list(_COMMON), "verified_on": ["cpu", "cuda (H200)"]},
+    "transformers.pytorch_utils.Conv1D": {
+        "replacement": "DetConv1D",
+        "invariances": _COMMON + ["accumulation (digit mode)"],
+        "verified_on": ["cpu"],
+    },
 }
 
 #: PyTorch functions that ``det_function_mode`` (applied by det_ddp around training and

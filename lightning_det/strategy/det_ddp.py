@@ -189,12 +189,13 @@ class DeterministicStrategy(DDPStrategy):
         def closure_then_sync():
             with self.step_state.eager_rounding(enabled=eager):
                 if self.audit and not self._audited:
-                    with OpAudit(self.lightning_module) as audit:
+                    with OpAudit(self.lightning_module, outside="training_step") as audit:
                         result = closure()
                     self._audited = True
-                    ok = audit.check(self.strict)
-                    if not ok:
-                        self.det_unverified_reasons.append("ops outside the verified set (see warning)")
+                    if audit.violations():  # before check: strict mode raises there
+                        self.det_unverified_reasons.append("ops outside the verified set (see the audit)")
+                        self.det_verified = False
+                    audit.check(self.strict)
                 else:
                     result = closure()
             # the forward's deferred input checks (det_cross_entropy's targets), before anything

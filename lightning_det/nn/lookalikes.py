@@ -1,0 +1,170 @@
+"""Library classes that compute what a Det module computes, recognised by structure and code.
+
+Real models hold lookalike classes: Hugging Face's ``Conv1D`` (a transposed Linear),
+``LlamaRMSNorm`` and its copies (``Qwen2RMSNorm``, ``MistralRMSNorm``, ...), ``T5LayerNorm``,
+HF's activation modules. A class is never matched by its name. The rule, per kind:
+
+1. **Structure**: exactly the expected direct parameters (names and ranks), no buffers, no
+   child modules, and the attributes the arithmetic reads (``variance_epsilon``, ``nf``...).
+2. **Code**: the class's ``forward`` has the same bytecode, constants and names as the
+   library's own forward, copied verbatim below (``_ref_*``). A class that changes one
+   operation, a constant or a cast (Gemma's ``1 + weight``, an extra scale) does not match, and
+   det_transform reports it like any other uncovered module.
+
+What a match changes: the module's class (in place, keeping its Parameter objects, so
+``state_dict`` keys and shapes stay loadable both ways) and its rounding, which becomes the
+Det module's (one rounding per output; the exact function is the same). One more difference,
+for RMSNorms: the output has the input's dtype, where HF multiplies the fp32 weight into a
+half-precision input and returns fp32; a model held in one dtype sees no difference.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .activation import DetGELU, DetSiLU
+from .conv1d import conv1d_to_det
+from .norm import DetRMSNorm
+
+__all__ = ["match_lookalike"]
+
+
+# ---- the library forwards, verbatim (their bytecode is the fingerprint) ---------------------
+# transformers.pytorch_utils.Conv1D.forward
+def _ref_conv1d(self, x):
+    size_out = x.size()[:-1] + (self.nf,)
+    x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+    x = x.view(size_out)
+    return x
+
+
+# transformers.models.llama.modeling_llama.LlamaRMSNorm.forward (and its "Copied from" twins)
+def _ref_llama_rms(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return self.weight * hidden_states.to(input_dtype)
+
+
+# transformers.models.t5.modeling_t5.T5LayerNorm.forward
+def _ref_t5_rms(self, hidden_states):
+    variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    if self.weight.dtype in [torch.float16, torch.bfloat16]:
+        hidden_states = hidden_states.to(self.weight.dtype)
+    return self.weight * hidden_states
+
+
+# transformers.activations.SiLUActivation.forward
+def _ref_silu(self, input):
+    return nn.functional.silu(input)
+
+
+# transformers.activations.NewGELUActivation.forward
+def _ref_new_gelu(self, input):
+    return 0.5 * input * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (input + 0.044715 * torch.pow(input, 3.0))))
+
+
+# transformers.activations.GELUActivation.forward and GELUTanh.forward
+def _ref_act_attr(self, input):
+    return self.act(input)
+
+
+# GELUActivation._gelu_python
+def _ref_gelu_python(self, input):
+    return input * 0.5 * (1.0 + torch.erf(input / math.sqrt(2.0)))
+
+
+# GELUTanh._gelu_tanh_python
+def _ref_gelu_tanh_python(self, input):
+    return input * 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (input + 0.044715 * torch.pow(input, 3.0))))
+
+
+def _code_key(fn) -> Optional[tuple]:
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    if code is None:
+        return None
+    return (code.co_code, code.co_consts, code.co_names, code.co_varnames, code.co_argcount,
+            code.co_freevars, code.co_kwonlyargcount)
+
+
+def _same_code(fn, ref) -> bool:
+    key = _code_key(fn)
+    return key is not None and key == _code_key(ref)
+
+
+def _bare(module: nn.Module, params: dict[str, int]) -> bool:
+    """Exactly ``params`` (name -> rank) as direct parameters; no buffers, no children."""
+    got = {n: p.dim() for n, p in module.named_parameters(recurse=False)}
+    return (got == params and next(module.named_buffers(recurse=False), None) is None
+            and next(module.children(), None) is None)
+
+
+def _forward(module: nn.Module):
+    return type(module).forward
+
+
+# ---- what each matched kind becomes ---------------------------------------------------------
+def _to_rms_norm(module: nn.Module) -> nn.Module:
+    module.normalized_shape = (module.weight.shape[0],)
+    module.eps = float(module.variance_epsilon)
+    module.elementwise_affine = True
+    module.__class__ = DetRMSNorm
+    return module
+
+
+def _to_gelu(approximate: str) -> Callable[[nn.Module], nn.Module]:
+    def factory(module: nn.Module) -> nn.Module:
+        module.approximate = approximate
+        module.__class__ = DetGELU
+        return module
+
+    return factory
+
+
+def _to_silu(module: nn.Module) -> nn.Module:
+    module.inplace = False
+    module.__class__ = DetSiLU
+    return module
+
+
+def _gelu_act_kind(act) -> Optional[str]:
+    """The GELU that a GELUActivation/GELUTanh's ``act`` attribute computes, or None."""
+    if act is F.gelu:
+        return "none"
+    if isinstance(act, functools.partial) and act.func is F.gelu and not act.args and act.keywords == {"approximate": "tanh"}:
+        return "tanh"
+    if _same_code(act, _ref_gelu_python):
+        return "none"
+    if _same_code(act, _ref_gelu_tanh_python):
+        return "tanh"
+    return None
+
+
+def match_lookalike(module: nn.Module) -> Optional[Callable[[nn.Module], nn.Module]]:
+    """The factory turning ``module`` into its Det version when it matches a rule above, else None."""
+    fwd = _forward(module)
+    if _same_code(fwd, _ref_conv1d):
+        ok = (_bare(module, {"weight": 2, "bias": 1}) and tuple(module.weight.shape) == (module.nx, module.nf)
+              and tuple(module.bias.shape) == (module.nf,))
+        return conv1d_to_det if ok else None
+    if _same_code(fwd, _ref_llama_rms) or _same_code(fwd, _ref_t5_rms):
+        eps = getattr(module, "variance_epsilon", None)
+        ok = _bare(module, {"weight": 1}) and isinstance(eps, (int, float)) and not isinstance(eps, bool)
+        return _to_rms_norm if ok else None
+    if not _bare(module, {}):
+        return None
+    if _same_code(fwd, _ref_silu):
+        return _to_silu
+    if _same_code(fwd, _ref_new_gelu):
+        return _to_gelu("tanh")
+    if _same_code(fwd, _ref_act_attr):
+        kind = _gelu_act_kind(getattr(module, "act", None))
+        return None if kind is None else _to_gelu(kind)
+    return None

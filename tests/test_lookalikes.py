@@ -1,0 +1,233 @@
+"""det_transform on the classes real models use: HF Conv1D, HF RMSNorms and activations, torch
+subclasses; what is matched is the same math, anything else is reported with its class."""
+import pytest
+import torch
+from conftest import assert_bitwise
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+from transformers import activations as hf_act  # noqa: E402
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
+from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm  # noqa: E402
+from transformers.models.t5.modeling_t5 import T5LayerNorm  # noqa: E402
+from transformers.pytorch_utils import Conv1D  # noqa: E402
+
+from lightning_det.nn import (  # noqa: E402
+    DetConv1D, DetGELU, DetLayerNorm, DetLinear, DetRMSNorm, DetSiLU, UnsupportedModuleError, det_transform,
+    finalize_grad_digits, register_det_module, set_grad_digits,
+)
+from lightning_det.nn import transform as transform_mod  # noqa: E402
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _conv1d(nf=37, nx=33, seed=0):
+    torch.manual_seed(seed)
+    m = Conv1D(nf, nx)
+    with torch.no_grad():
+        m.bias.normal_(generator=_gen(seed + 1))
+    return m
+
+
+def test_conv1d_is_detlinear_on_the_transposed_weight():
+    # Independent of DetConv1D's code: a DetLinear holding W.T gives the same bytes for y, dx, dW.T, db.
+    hf = _conv1d()
+    keys = {k: v.shape for k, v in hf.state_dict().items()}
+    det = det_transform(hf)
+    assert type(det) is DetConv1D and {k: v.shape for k, v in det.state_dict().items()} == keys
+    lin = DetLinear(33, 37)
+    with torch.no_grad():
+        lin.weight.copy_(det.weight.t())
+        lin.bias.copy_(det.bias)
+    x = torch.randn(3, 5, 33, generator=_gen(2))
+    g = torch.randn(3, 5, 37, generator=_gen(3))
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = det(xa), lin(xb)
+    ya.backward(g)
+    yb.backward(g)
+    assert_bitwise(ya.detach(), yb.detach(), "y")
+    assert_bitwise(xa.grad, xb.grad, "dx")
+    assert_bitwise(det.weight.grad, lin.weight.grad.t().contiguous(), "dW")
+    assert_bitwise(det.bias.grad, lin.bias.grad, "db")
+    # and it is HF's math: close to HF's own forward in fp64
+    ref = x.double().reshape(-1, 33) @ det.weight.double() + det.bias.double()
+    torch.testing.assert_close(ya.detach().double(), ref.reshape(3, 5, 37), rtol=1e-6, atol=1e-6)
+
+
+def test_conv1d_rows_and_micro_batches_are_invariant():
+    det = det_transform(_conv1d(seed=4))
+    x = torch.randn(64, 33, generator=_gen(5))
+    g = torch.randn(64, 37, generator=_gen(6))
+    full = det(x)
+    for m in (1, 7, 33):
+        assert_bitwise(det(x[:m]), full[:m].detach(), f"rows m={m}")
+    # digit mode: dW over 64 rows in one go == in micro-batches of 7 + 57 (accumulation)
+    set_grad_digits(det, True)
+    det(x).backward(g)
+    finalize_grad_digits(det.parameters())
+    one = [p.grad.clone() for p in det.parameters()]
+    det.zero_grad(set_to_none=True)
+    det(x[:7]).backward(g[:7])
+    det(x[7:]).backward(g[7:])
+    finalize_grad_digits(det.parameters())
+    for a, p in zip(one, det.parameters()):
+        assert_bitwise(p.grad, a, "accumulated grad")
+    # control: HF's own Conv1D (addmm) gives other dW bytes for the same split
+    hf = _conv1d(seed=4)
+    hf(x).backward(g)
+    w_one = hf.weight.grad.clone()
+    hf.zero_grad()
+    hf(x[:7]).backward(g[:7])
+    hf(x[7:]).backward(g[7:])
+    assert not torch.equal(hf.weight.grad, w_one)
+
+
+def test_inplace_on_conv1d_output_works():
+    det = det_transform(_conv1d(nf=33))
+    x = torch.randn(2, 4, 33, requires_grad=True)
+    h = det(x)
+    h += x  # a residual written in place, as models do
+    h.relu_().sum().backward()
+    assert x.grad is not None and det.weight.grad is not None
+
+
+@pytest.mark.parametrize("cls", [LlamaRMSNorm, Qwen2RMSNorm, T5LayerNorm])
+def test_hf_rms_norms_become_det_rms_norm(cls):
+    m = cls(33, eps=1e-5)
+    with torch.no_grad():
+        m.weight.normal_(generator=_gen(7))
+    x = torch.randn(6, 33, generator=_gen(8))
+    want = m(x)
+    keys = list(m.state_dict())
+    det_transform(nn.Sequential(m))
+    assert type(m) is DetRMSNorm and m.eps == 1e-5 and list(m.state_dict()) == keys
+    got = m(x)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    assert_bitwise(m(x[:1]), got[:1].detach(), "row invariance")
+
+
+def test_other_rms_math_is_not_matched():
+    # Gemma scales by (1 + weight): same structure, other math -> reported, with its class
+    model = nn.Sequential(GemmaRMSNorm(33))
+    with pytest.raises(UnsupportedModuleError, match=r"0 \(GemmaRMSNorm\)"):
+        det_transform(model)
+
+    class ScaledRMSNorm(LlamaRMSNorm):
+        def forward(self, hidden_states):
+            return 2 * super().forward(hidden_states)
+
+    with pytest.raises(UnsupportedModuleError, match=r"0 \(ScaledRMSNorm\)"):
+        det_transform(nn.Sequential(ScaledRMSNorm(8)))
+
+
+@pytest.mark.parametrize("make, cls, approximate", [
+    (hf_act.SiLUActivation, DetSiLU, None),
+    (hf_act.NewGELUActivation, DetGELU, "tanh"),
+    (hf_act.GELUActivation, DetGELU, "none"),
+    (lambda: hf_act.GELUActivation(use_gelu_python=True), DetGELU, "none"),
+    (hf_act.GELUTanh, DetGELU, "tanh"),
+    (lambda: hf_act.GELUTanh(use_gelu_tanh_python=True), DetGELU, "tanh"),
+])
+def test_hf_activations_are_swapped(make, cls, approximate):
+    m = make()
+    x = torch.randn(5, 33, generator=_gen(9)) * 3
+    want = m(x)
+    det_transform(nn.Sequential(m))
+    assert type(m) is cls
+    if approximate is not None:
+        assert m.approximate == approximate
+    torch.testing.assert_close(m(x), want, rtol=1e-5, atol=1e-6)
+
+
+def test_every_uncovered_module_is_named_with_its_class():
+    model = nn.Sequential(nn.Linear(4, 4), hf_act.QuickGELUActivation(), nn.Sigmoid(), nn.Conv2d(1, 1, 1),
+                          GemmaRMSNorm(4))
+    with pytest.raises(UnsupportedModuleError) as ei:
+        det_transform(model)
+    msg = str(ei.value)
+    for item in ("1 (QuickGELUActivation)", "2 (Sigmoid)", "3 (Conv2d)", "4 (GemmaRMSNorm)"):
+        assert item in msg, msg
+    assert "4 module(s)" in msg and "register_det_module" in msg
+    with pytest.warns(UserWarning, match="QuickGELUActivation"):
+        det_transform(model, strict=False)
+    assert model.ldet_unverified == ["1 (QuickGELUActivation)", "2 (Sigmoid)", "3 (Conv2d)", "4 (GemmaRMSNorm)"]
+    assert type(model[0]) is DetLinear
+
+
+def test_torch_subclasses_that_keep_forward():
+    from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
+
+    class MyLayerNorm(nn.LayerNorm):  # timm-style: only __init__ changes
+        def __init__(self, n):
+            super().__init__(n, eps=1e-6)
+
+    class OwnForward(nn.LayerNorm):
+        def forward(self, x):
+            return super().forward(x.float()).to(x.dtype)
+
+    class ExtraParam(nn.Linear):
+        def __init__(self):
+            super().__init__(4, 4)
+            self.scale = nn.Parameter(torch.ones(4))
+
+    model = nn.Sequential(NonDynamicallyQuantizableLinear(4, 4), MyLayerNorm(4))
+    det_transform(model)
+    assert type(model[0]) is DetLinear and type(model[1]) is DetLayerNorm and model[1].eps == 1e-6
+    for bad in (OwnForward(4), ExtraParam()):
+        with pytest.raises(UnsupportedModuleError, match=rf"0 \({type(bad).__name__}\)"):
+            det_transform(nn.Sequential(bad))
+
+
+def test_register_det_module(monkeypatch):
+    monkeypatch.setattr(transform_mod, "_REGISTERED", {})
+
+    class Affine(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.gain = nn.Parameter(torch.ones(3))
+
+    def factory(m):
+        new = nn.Sequential(DetLinear(3, 3))
+        return new
+
+    model = nn.Sequential(Affine())
+    with pytest.raises(UnsupportedModuleError, match=r"0 \(Affine\)"):
+        det_transform(model)
+    register_det_module(Affine, factory)
+    det_transform(model)
+    assert isinstance(model[0], nn.Sequential) and type(model[0][0]) is DetLinear
+    assert model.ldet_unverified == []
+    with pytest.raises(TypeError, match="cls: expected an nn.Module subclass"):
+        register_det_module(int, factory)
+    with pytest.raises(TypeError, match="factory"):
+        register_det_module(Affine, None)
+    with pytest.raises(ValueError, match="cls: Linear is already covered"):
+        register_det_module(nn.Linear, factory)
+
+
+def test_tiny_hf_models_transform_strictly():
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    gpt = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=33, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0))
+    keys = {k: v.shape for k, v in gpt.state_dict().items()}
+    det_transform(gpt)
+    assert gpt.ldet_unverified == [] and {k: v.shape for k, v in gpt.state_dict().items()} == keys
+    assert type(gpt.transformer.h[0].attn.c_attn) is DetConv1D
+    llama = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=24,
+                                         num_attention_heads=2, num_key_value_heads=2, vocab_size=33))
+    det_transform(llama)
+    assert llama.ldet_unverified == []
+    assert type(llama.model.norm) is DetRMSNorm and type(llama.model.layers[0].mlp.act_fn) is DetSiLU
+    idx = torch.randint(0, 33, (2, 7), generator=_gen(10))
+    for model in (gpt, llama):
+        model.eval()
+        out = model(idx, labels=idx)
+        out.loss.backward()
+        # the same sequence alone gives the same logits bytes as beside another one
+        assert_bitwise(model(idx[:1]).logits, out.logits[:1].detach(), type(model).__name__)
