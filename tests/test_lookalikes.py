@@ -15,7 +15,7 @@ from transformers.pytorch_utils import Conv1D  # noqa: E402
 
 from lightning_det.nn import (  # noqa: E402
     DetConv1D, DetGELU, DetLayerNorm, DetLinear, DetRMSNorm, DetSiLU, UnsupportedModuleError, det_transform,
-    finalize_grad_digits, register_det_module, set_grad_digits,
+    StepState, finalize_grad_digits, register_det_module, set_grad_digits,
 )
 from lightning_det.nn import transform as transform_mod  # noqa: E402
 
@@ -65,14 +65,15 @@ def test_conv1d_rows_and_micro_batches_are_invariant():
     for m in (1, 7, 33):
         assert_bitwise(det(x[:m]), full[:m].detach(), f"rows m={m}")
     # digit mode: dW over 64 rows in one go == in micro-batches of 7 + 57 (accumulation)
-    set_grad_digits(det, True)
+    state = StepState()
+    set_grad_digits(det, state)
     det(x).backward(g)
-    finalize_grad_digits(det.parameters())
+    finalize_grad_digits(state, det.parameters())
     one = [p.grad.clone() for p in det.parameters()]
     det.zero_grad(set_to_none=True)
     det(x[:7]).backward(g[:7])
     det(x[7:]).backward(g[7:])
-    finalize_grad_digits(det.parameters())
+    finalize_grad_digits(state, det.parameters())
     for a, p in zip(one, det.parameters()):
         assert_bitwise(p.grad, a, "accumulated grad")
     # control: HF's own Conv1D (addmm) gives other dW bytes for the same split
