@@ -6,6 +6,7 @@ both gaps; :class:`ManifestCallback` makes corruption and profile changes loud.
 """
 from __future__ import annotations
 
+import os
 import random
 import warnings
 
@@ -13,9 +14,13 @@ import numpy as np
 import torch
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ..data.sampler import DeterministicSampler
-from ..digest.manifest import MANIFEST_KEY, build_manifest, check_profile, verify_manifest
+from .digest import run_label
+from ..digest.container import check_container
+from ..digest.manifest import MANIFEST_KEY, ManifestError, build_manifest, check_profile, verify_manifest
+from ..strategy.checkpoint_io import AtomicCheckpointIO
 
 __all__ = ["ManifestCallback", "ExactResumeCallback", "find_deterministic_samplers"]
 
@@ -23,10 +28,17 @@ __all__ = ["ManifestCallback", "ExactResumeCallback", "find_deterministic_sample
 class ManifestCallback(Callback):
     """Adds a manifest to every checkpoint and verifies it (and the profile) when loading.
 
-    The manifest lists each tensor's name, dtype, shape, byte count and SHA-256, plus the
-    numerical profile. Loading a checkpoint whose bytes differ raises
-    :class:`lightning_det.digest.manifest.ManifestError` naming the tensor; a checkpoint from
-    another profile raises :class:`~lightning_det.digest.manifest.ProfileMismatchError`.
+    The manifest holds a SHA-256 of every leaf of the checkpoint under its path (tensors, RNG
+    states, sampler positions, hyper-parameters, counters) plus the numerical profile
+    (:mod:`lightning_det.digest.manifest`). Loading a checkpoint file whose bytes differ
+    anywhere (content, or the zip container around it) raises
+    :class:`lightning_det.digest.manifest.ManifestError` naming the first differing entry; a
+    checkpoint from another profile raises
+    :class:`~lightning_det.digest.manifest.ProfileMismatchError`.
+
+    A strategy still on Lightning's plain ``TorchCheckpointIO`` is given
+    :class:`lightning_det.strategy.checkpoint_io.AtomicCheckpointIO` at setup, so that a crash
+    during a save leaves the previous checkpoint intact and a truncated file is named as such.
 
     Args:
         require_manifest: if True, loading a checkpoint without a manifest is an error;
@@ -37,9 +49,16 @@ class ManifestCallback(Callback):
         super().__init__()
         self.require_manifest = require_manifest
 
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        # Before Lightning restores a checkpoint (that comes after the setup hooks), so the
+        # load goes through it too.
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         # Called after Lightning has filled in weights, optimizer, loops and callback states.
-        checkpoint[MANIFEST_KEY] = build_manifest(checkpoint, {"world_size": trainer.world_size})
+        checkpoint[MANIFEST_KEY] = build_manifest(
+            checkpoint, {"world_size": trainer.world_size, "verified": run_label(trainer.strategy)})
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         if MANIFEST_KEY not in checkpoint:
@@ -50,7 +69,20 @@ class ManifestCallback(Callback):
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
             return
         check_profile(checkpoint)
-        verify_manifest(checkpoint)
+        problems = []
+        try:
+            verify_manifest(checkpoint)
+        except ManifestError as exc:
+            problems = exc.problems or [{"entry": MANIFEST_KEY, "problem": str(exc)}]
+        path = trainer.ckpt_path
+        if path is not None and os.path.isfile(path):
+            # The file as a whole, byte for byte: a flip that leaves the loaded content as it was
+            # is still a corrupted file.
+            problems += check_container(path)
+        if problems:
+            raise ManifestError(f"lightning_det: checkpoint {path} is corrupted or edited: first at "
+                                f"{problems[0]['entry']}: "
+                                + "; ".join(f"{p['entry']}: {p['problem']}" for p in problems[:10]), problems)
 
 
 def _rng_state() -> dict:
@@ -169,6 +201,7 @@ class ExactResumeCallback(ManifestCallback):
         }
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
         self._trainer_ref = trainer
 
     # -- load ------------------------------------------------------------------------------
