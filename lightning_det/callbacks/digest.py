@@ -257,8 +257,14 @@ class DigestCallback(Callback):
         return {"chain": self._chain, "last_step": self._last_step}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self._chain = state_dict["chain"]
-        self._last_step = int(state_dict["last_step"])
+        chain, last = (state_dict.get(k) if isinstance(state_dict, dict) else None for k in ("chain", "last_step"))
+        if not (isinstance(chain, str) and len(chain) == 64):
+            raise ValueError(f"DigestCallback.load_state_dict: entry 'chain' must be a 64-character hex digest, "
+                             f"got {chain!r:.80}")
+        if not (isinstance(last, int) and not isinstance(last, bool) and last >= 0):
+            raise ValueError(f"DigestCallback.load_state_dict: entry 'last_step' must be an integer >= 0, got {last!r}")
+        self._chain = chain
+        self._last_step = last
         self._resumed_from = self._last_step
 
     @property

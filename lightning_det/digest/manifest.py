@@ -6,7 +6,8 @@ and the SHA-256 of their bytes; every other value (RNG states, sampler cursors,
 hyper-parameters, loop counters, version strings) with the SHA-256 of a canonical, type-tagged
 encoding. Dicts are walked key by key, lists and tuples element by element where they hold a
 dict or a tensor; a list of plain values (a Python RNG state) is one leaf. The manifest hashes
-itself too, so an edit to the manifest is named like any other.
+itself too (all but the profile, which :func:`check_profile` names), so an edit to the
+manifest is named like any other.
 
 Plain SHA-256 (not the chunked digest) so that anyone can check a manifest with standard tools.
 No Lightning import: usable on any ``torch.save``-d dict.
@@ -108,8 +109,9 @@ def _content(checkpoint: dict) -> dict:
 
 
 def _self_hash(man: dict) -> str:
+    # The profile is left out: check_profile names a changed profile more usefully.
     return hashlib.sha256(_encode([[k, v] for k, v in sorted((k, repr(v)) for k, v in man.items()
-                                                               if k != "sha256")]).encode()).hexdigest()
+                                                               if k not in ("sha256", "profile"))]).encode()).hexdigest()
 
 
 def build_manifest(checkpoint: dict, extra: dict | None = None) -> dict:
