@@ -57,8 +57,11 @@ def test_det_ddp_world_size_1_and_2_write_identical_digests(tmp_path):
     torchrun(tmp_path / "w2", "--batch-size", "4", "--devices", "2", *common)
     res = diff_runs(load_run(tmp_path / "w1"), load_run(tmp_path / "w2"), [0])
     assert res["identical"] and res["through_step"] == 6, res
+    # The header is written before the first step's op audit, so it claims nothing yet; the
+    # label record after the audit is the run's label.
     header = (tmp_path / "w2" / "digests-rank0.jsonl").read_text().splitlines()[0]
-    assert '"verified": "verified"' in header
+    assert '"verified": "pending"' in header
+    assert load_run(tmp_path / "w2").labels == {0: "verified", 1: "verified"}
 
 
 @needs_det_ddp

@@ -2,9 +2,13 @@
 
 File layout (``dirpath/digests-rank{R}.jsonl``), one JSON object per line:
   * ``{"kind": "header", ...}`` at every (re)start: profile, world size, versions, devices,
-    ``verified`` ("verified" / "unverified"), digest format;
+    ``verified`` (the run label: "pending" until det_ddp's first-step op audit has run, then
+    "verified" / "unverified"; always "unverified" under other strategies), digest format;
+  * ``{"kind": "label", "step": N, "verified": ...}`` when the label changes (after the audit):
+    a reader takes the last label record (or step record) as the run's label;
   * ``{"kind": "step", "step": N, "loss": {...}, "params": {...}, "buffers": {...},
-    "grads": {...}, "optim": {...}, "rng": {...}, "chain": "..."}`` after optimizer step N;
+    "grads": {...}, "optim": {...}, "rng": {...}, "chain": "...", "verified": ...}`` after
+    optimizer step N;
   * ``{"kind": "replica_mismatch", ...}`` when the cross-replica check finds a difference.
 
 With ``capture_steps=(first, last)`` it also writes ``dirpath/capture-rank{R}.jsonl``: one line
@@ -30,7 +34,7 @@ from lightning.pytorch.callbacks import Callback
 from ..digest import FORMAT, digest_many, digest_many_async, hash_object, tensor_digest
 from ..profile import PROFILE
 
-__all__ = ["DigestCallback", "ReplicaMismatchError", "rng_digests", "CHAIN_SEED"]
+__all__ = ["DigestCallback", "ReplicaMismatchError", "rng_digests", "run_label", "CHAIN_SEED"]
 
 CHAIN_SEED = "ldet-chain-v1"
 _INCLUDE = ("params", "grads", "optim", "rng")
@@ -53,6 +57,14 @@ def rng_digests() -> dict[str, Any]:
     ).hexdigest()
     out["python"] = hash_object(random.getstate())
     return out
+
+
+def run_label(strategy) -> str:
+    """``"verified"``, ``"unverified"`` or ``"pending"`` (det_ddp before its first-step audit).
+
+    Only det_ddp audits a run's ops, so a run under any other strategy is unverified.
+    """
+    return getattr(strategy, "det_label", None) or "unverified"
 
 
 class _PendingLoss:
@@ -236,15 +248,23 @@ class DigestCallback(Callback):
         self._capture: _Capture | None = None
         self._rank = 0
         self._resumed_from: int | None = None
+        self._label = "pending"
 
     # -- Lightning state: the chain continues across a resume -----------------------------
     def state_dict(self) -> dict:
         self._drain(0)  # the chain saved must cover every step taken so far
+        self._sync()  # and be on disk before the checkpoint that continues it
         return {"chain": self._chain, "last_step": self._last_step}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self._chain = state_dict["chain"]
-        self._last_step = int(state_dict["last_step"])
+        chain, last = (state_dict.get(k) if isinstance(state_dict, dict) else None for k in ("chain", "last_step"))
+        if not (isinstance(chain, str) and len(chain) == 64):
+            raise ValueError(f"DigestCallback.load_state_dict: entry 'chain' must be a 64-character hex digest, "
+                             f"got {chain!r:.80}")
+        if not (isinstance(last, int) and not isinstance(last, bool) and last >= 0):
+            raise ValueError(f"DigestCallback.load_state_dict: entry 'last_step' must be an integer >= 0, got {last!r}")
+        self._chain = chain
+        self._last_step = last
         self._resumed_from = self._last_step
 
     @property
@@ -252,9 +272,21 @@ class DigestCallback(Callback):
         return self.dirpath / f"digests-rank{self._rank}.jsonl"
 
     def _write(self, rec: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
+        # One append per record: a crash leaves whole lines and at most a torn last one, which
+        # the reader reports as such.
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(rec) + "\n").encode())
+        finally:
+            os.close(fd)
+
+    def _sync(self) -> None:
+        if self.path.exists():
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     # -- hooks -----------------------------------------------------------------------------
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -267,7 +299,9 @@ class DigestCallback(Callback):
             warnings.warn(f"DigestCallback: {self.path} already holds a run; this fresh run appends to it and "
                           "`lightning-det diff` will take the latest record of each step. Use a new dirpath per run.",
                           RuntimeWarning, stacklevel=2)
-        self._write(self._header(trainer, pl_module))
+        header = self._header(trainer, pl_module)
+        self._label = header["verified"]
+        self._write(header)
         self._lag = self.write_lag if self.write_lag is not None else int(pl_module.device.type == "cuda")
         for opt in trainer.optimizers:
             self._hooks.append(opt.register_step_post_hook(self._after_optimizer_step))
@@ -326,6 +360,10 @@ class DigestCallback(Callback):
                 # A collective: every rank reaches it at the same step, so waiting here is safe.
                 self._check_replicas(trainer, entry["step"], self._sections(entry)["_check"])
         self._drain(self._lag)
+        label = self._verified(trainer)
+        if label != self._label:  # the first step's audit has run: the header said "pending"
+            self._label = label
+            self._write({"kind": "label", "step": trainer.global_step, "verified": label})
 
     def _drain(self, keep: int) -> None:
         """Write queued step lines, oldest first, leaving at most ``keep`` pending."""
@@ -401,8 +439,7 @@ class DigestCallback(Callback):
                               "digests": digest_many_async([t for _, _, t in named]), "optim_values": optim_values})
 
     def _verified(self, trainer) -> str:
-        v = getattr(trainer.strategy, "det_verified", None)
-        return "verified" if v is True else "unverified"
+        return run_label(trainer.strategy)
 
     def _header(self, trainer, pl_module) -> dict:
         import lightning

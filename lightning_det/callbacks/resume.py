@@ -6,6 +6,7 @@ both gaps; :class:`ManifestCallback` makes corruption and profile changes loud.
 """
 from __future__ import annotations
 
+import os
 import random
 import warnings
 
@@ -13,9 +14,13 @@ import numpy as np
 import torch
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ..data.sampler import DeterministicSampler
-from ..digest.manifest import MANIFEST_KEY, build_manifest, check_profile, verify_manifest
+from .digest import run_label
+from ..digest.container import check_container
+from ..digest.manifest import MANIFEST_KEY, ManifestError, build_manifest, check_profile, verify_manifest
+from ..strategy.checkpoint_io import AtomicCheckpointIO
 
 __all__ = ["ManifestCallback", "ExactResumeCallback", "find_deterministic_samplers"]
 
@@ -23,10 +28,17 @@ __all__ = ["ManifestCallback", "ExactResumeCallback", "find_deterministic_sample
 class ManifestCallback(Callback):
     """Adds a manifest to every checkpoint and verifies it (and the profile) when loading.
 
-    The manifest lists each tensor's name, dtype, shape, byte count and SHA-256, plus the
-    numerical profile. Loading a checkpoint whose bytes differ raises
-    :class:`lightning_det.digest.manifest.ManifestError` naming the tensor; a checkpoint from
-    another profile raises :class:`~lightning_det.digest.manifest.ProfileMismatchError`.
+    The manifest holds a SHA-256 of every leaf of the checkpoint under its path (tensors, RNG
+    states, sampler positions, hyper-parameters, counters) plus the numerical profile
+    (:mod:`lightning_det.digest.manifest`). Loading a checkpoint file whose bytes differ
+    anywhere (content, or the zip container around it) raises
+    :class:`lightning_det.digest.manifest.ManifestError` naming the first differing entry; a
+    checkpoint from another profile raises
+    :class:`~lightning_det.digest.manifest.ProfileMismatchError`.
+
+    A strategy still on Lightning's plain ``TorchCheckpointIO`` is given
+    :class:`lightning_det.strategy.checkpoint_io.AtomicCheckpointIO` at setup, so that a crash
+    during a save leaves the previous checkpoint intact and a truncated file is named as such.
 
     Args:
         require_manifest: if True, loading a checkpoint without a manifest is an error;
@@ -37,12 +49,34 @@ class ManifestCallback(Callback):
         super().__init__()
         self.require_manifest = require_manifest
 
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        # Before Lightning restores a checkpoint (that comes after the setup hooks), so the
+        # load goes through it too.
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         # Called after Lightning has filled in weights, optimizer, loops and callback states.
-        checkpoint[MANIFEST_KEY] = build_manifest(checkpoint, {"world_size": trainer.world_size})
+        checkpoint[MANIFEST_KEY] = build_manifest(
+            checkpoint, {"world_size": trainer.world_size, "verified": run_label(trainer.strategy)})
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
-        if MANIFEST_KEY not in checkpoint:
+        problems, has_manifest = [], True
+        try:
+            verify_manifest(checkpoint)
+        except ManifestError as exc:
+            problems = exc.problems
+            has_manifest = bool(exc.problems)  # no problems listed: there is no manifest at all
+        path = trainer.ckpt_path
+        if path is not None and os.path.isfile(path):
+            # The file as a whole, byte for byte: a flip that leaves the loaded content as it was
+            # is still a corrupted file.
+            problems = problems + check_container(path)
+        if problems:
+            raise ManifestError(f"lightning_det: checkpoint {path} is corrupted or edited: first at "
+                                f"{problems[0]['entry']}: "
+                                + "; ".join(f"{p['entry']}: {p['problem']}" for p in problems[:10]), problems)
+        if not has_manifest:
             msg = ("lightning_det: this checkpoint has no manifest, so its bytes and numerical profile "
                    "cannot be verified")
             if self.require_manifest:
@@ -50,7 +84,6 @@ class ManifestCallback(Callback):
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
             return
         check_profile(checkpoint)
-        verify_manifest(checkpoint)
 
 
 def _rng_state() -> dict:
@@ -169,6 +202,7 @@ class ExactResumeCallback(ManifestCallback):
         }
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
         self._trainer_ref = trainer
 
     # -- load ------------------------------------------------------------------------------
@@ -181,6 +215,7 @@ class ExactResumeCallback(ManifestCallback):
         ]
 
     def load_state_dict(self, state_dict: dict) -> None:
+        _check_saved_state(state_dict)
         trainer = self._trainer_ref
         rank, world = trainer.global_rank, trainer.world_size
         rngs = state_dict["rng"]
@@ -245,6 +280,41 @@ class ExactResumeCallback(ManifestCallback):
             for dl in _train_loaders(trainer):
                 if getattr(dl, "generator", "absent") is None:
                     torch.empty((), dtype=torch.int64).random_()
+
+
+def _check_saved_state(sd) -> None:
+    """Refuse a malformed ExactResumeCallback state, naming the entry, before restoring anything."""
+    where = "ExactResumeCallback.load_state_dict"
+    if not isinstance(sd, dict):
+        raise TypeError(f"{where}: expected a dict, got {type(sd).__name__}")
+    for key in ("rng", "samplers"):
+        if not isinstance(sd.get(key), list):
+            raise ValueError(f"{where}: entry {key!r} must be a list, got "
+                             f"{type(sd[key]).__name__ if key in sd else 'nothing (missing)'}")
+    if not sd["rng"]:
+        raise ValueError(f"{where}: entry 'rng' is empty: the RNG state of at least one rank is needed")
+    for i, st in enumerate(sd["rng"]):
+        name = f"rng[{i}]"
+        if not isinstance(st, dict):
+            raise ValueError(f"{where}: entry {name!r} must be a dict, got {type(st).__name__}")
+        t = st.get("torch")
+        if not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1):
+            raise ValueError(f"{where}: entry '{name}/torch' must be a 1-D uint8 tensor (torch.get_rng_state()), "
+                             f"got {t if not isinstance(t, torch.Tensor) else f'{t.dtype} {tuple(t.shape)}'!r:.80}")
+        n = st.get("numpy")
+        if not (isinstance(n, (list, tuple)) and len(n) == 5 and isinstance(n[1], (list, tuple))):
+            raise ValueError(f"{where}: entry '{name}/numpy' must be [name, keys, pos, has_gauss, cached], got "
+                             f"{n!r:.80}")
+        p = st.get("python")
+        if not (isinstance(p, (list, tuple)) and len(p) == 3 and isinstance(p[1], (list, tuple))):
+            raise ValueError(f"{where}: entry '{name}/python' must be [version, state, gauss] "
+                             f"(random.getstate()), got {p!r:.80}")
+        c = st.get("cuda")
+        if c is not None and not (isinstance(c, torch.Tensor) and c.dtype == torch.uint8):
+            raise ValueError(f"{where}: entry '{name}/cuda' must be None or a uint8 tensor, got {c!r:.80}")
+    for i, smp in enumerate(sd["samplers"]):
+        if not isinstance(smp, dict):
+            raise ValueError(f"{where}: entry 'samplers[{i}]' must be a dict, got {type(smp).__name__}")
 
 
 def _train_loaders(trainer) -> list:

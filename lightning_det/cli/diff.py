@@ -17,6 +17,8 @@ def add_parser(sub) -> None:
     p.add_argument("run_b", help="the run to compare against RUN_A")
     p.add_argument("--rank", type=int, action="append", help="compare only this rank (repeatable; default all)")
     p.add_argument("--max-tensors", type=int, default=20, help="list at most this many tensors per section")
+    p.add_argument("--run-a", dest="run_a_index", type=int, metavar="N", help="when RUN_A's files hold several runs, compare the Nth")
+    p.add_argument("--run-b", dest="run_b_index", type=int, metavar="N", help="when RUN_B's files hold several runs, compare the Nth")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run)
 
@@ -28,13 +30,16 @@ def _fmt_loss(d: dict) -> str:
 def format_result(res: dict, max_tensors: int = 20) -> str:
     if res.get("error"):
         return f"cannot compare: {res['error']}"
+    labels = f"run labels: a {res['labels']['a']}, b {res['labels']['b']}"
+    notes = [f"note: {n}" for n in res.get("notes", [])]
     if res["identical"]:
         lines = [f"identical through step {res['through_step']} ({res['common_steps']} steps compared, "
-                 f"rank(s) {', '.join(map(str, res['ranks']))})"]
+                 f"rank(s) {', '.join(map(str, res['ranks']))})", labels, *notes]
         if res.get("unmatched_steps"):
             lines.append(f"note: steps present in only one run: {res['unmatched_steps']}")
         return "\n".join(lines)
-    lines = [f"diverged at step {res['step']} (rank {res['rank']}); identical through step {res['through_step']}"]
+    lines = [f"diverged at step {res['step']} (rank {res['rank']}); identical through step {res['through_step']}",
+             labels, *notes]
     by_sec: dict = {}
     for d in res["differences"]:
         by_sec.setdefault(d["section"], []).append(d)
@@ -70,7 +75,7 @@ def format_result(res: dict, max_tensors: int = 20) -> str:
 
 
 def run(args) -> int:
-    res = diff_runs(load_run(args.run_a), load_run(args.run_b), args.rank)
+    res = diff_runs(load_run(args.run_a, args.run_a_index), load_run(args.run_b, args.run_b_index), args.rank)
     print(json.dumps(res, indent=2) if args.json else format_result(res, args.max_tensors))
     if res.get("error"):
         return 2

@@ -18,6 +18,7 @@ def add_parser(sub) -> None:
     p.add_argument("runs", nargs="+", help="DigestCallback dirpaths; the first is the reference")
     p.add_argument("-o", "--output", help="image file to write (png, pdf, svg)")
     p.add_argument("--rank", type=int, default=0, help="rank whose losses are plotted (default 0)")
+    p.add_argument("--run", type=int, metavar="N", help="when a folder's files hold several runs, take the Nth")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=run)
 
@@ -31,13 +32,13 @@ def _loss_value(rec: dict) -> float | None:
     return loss.get("value")
 
 
-def summarize(paths: list[str], rank: int = 0) -> dict:
-    runs = [load_run(p) for p in paths]
+def summarize(paths: list[str], rank: int = 0, run_index: int | None = None) -> dict:
+    runs = [load_run(p, run_index) for p in paths]
     rows = []
     for i, run in enumerate(runs):
         steps = run.steps.get(rank, {})
         last = max(steps) if steps else None
-        row = {"run": str(run.path), "steps": len(steps), "last_step": last,
+        row = {"run": str(run.path), "label": run.label, "notes": run.notes, "steps": len(steps), "last_step": last,
                "chain": steps[last]["chain"] if last is not None else None,
                "loss": [[s, _loss_value(steps[s])] for s in sorted(steps)]}
         if i > 0:
@@ -71,10 +72,10 @@ def plot(summary: dict, output: str) -> None:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     tab.axis("off")
-    cells = [[f"[{i}]", str(r["last_step"]), (r["chain"] or "-")[:16],
+    cells = [[f"[{i}]", r["label"], str(r["last_step"]), (r["chain"] or "-")[:16],
               "reference" if i == 0 else ("identical" if r.get("diverges_at") is None else f"step {r['diverges_at']}")]
              for i, r in enumerate(rows)]
-    t = tab.table(cellText=cells, colLabels=["run", "last step", "chain digest", "first divergence"], loc="center")
+    t = tab.table(cellText=cells, colLabels=["run", "label", "last step", "chain digest", "first divergence"], loc="center")
     t.auto_set_font_size(False)
     t.set_fontsize(8)
     fig.tight_layout()
@@ -86,7 +87,7 @@ def run(args) -> int:
     if not args.output and not args.json:
         print("lightning-det report: error: give -o OUTPUT and/or --json", file=sys.stderr)
         return 2
-    summary = summarize(args.runs, args.rank)
+    summary = summarize(args.runs, args.rank, args.run)
     if args.output:
         try:
             plot(summary, args.output)
@@ -100,6 +101,8 @@ def run(args) -> int:
         for i, r in enumerate(summary["runs"]):
             status = "reference" if i == 0 else ("identical" if r.get("diverges_at") is None else
                                                  f"diverges at step {r['diverges_at']}")
-            print(f"[{i}] {r['run']}: {r['steps']} steps, chain {(r['chain'] or '-')[:16]}  {status}")
+            print(f"[{i}] {r['run']} ({r['label']}): {r['steps']} steps, chain {(r['chain'] or '-')[:16]}  {status}")
+            for note in r["notes"]:
+                print(f"    note: {note}")
         print(f"wrote {args.output}")
     return 0

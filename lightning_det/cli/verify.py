@@ -1,17 +1,20 @@
-"""``lightning-det verify CHECKPOINT``: check a checkpoint against its manifest."""
+"""``lightning-det verify CHECKPOINT``: check a checkpoint file against its manifest, byte for byte."""
 from __future__ import annotations
 
 import json
 
-from ..digest.manifest import ManifestError, ProfileMismatchError, check_profile, load_checkpoint, verify_manifest
+from ..digest.manifest import (CheckpointFileError, ManifestError, ProfileMismatchError, check_profile,
+                               verify_file)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "verify", help="check a checkpoint's tensors against its manifest; exit 1 on a mismatch",
-        description="Recompute the SHA-256 of every tensor in a checkpoint written with ManifestCallback or "
-                    "ExactResumeCallback and compare dtype, shape, byte count and hash with its manifest, and "
-                    "its numerical profile with this library's.")
+        "verify", help="check a checkpoint against its manifest; exit 1 on any difference",
+        description="Check a checkpoint written with ManifestCallback or ExactResumeCallback: every leaf of its "
+                    "content (tensors by dtype, shape, byte count and SHA-256; RNG states, sampler positions, "
+                    "hyper-parameters and counters by the SHA-256 of their values) against its manifest, every "
+                    "byte of its zip container against its CRCs and torch.save's layout, and its numerical "
+                    "profile against this library's. Names the first differing entry by its path.")
     p.add_argument("checkpoint", help="path of a .ckpt / torch.save file")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run)
@@ -20,23 +23,23 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     res: dict = {"checkpoint": args.checkpoint}
     try:
-        ckpt = load_checkpoint(args.checkpoint)
-    except Exception as exc:  # noqa: BLE001 - an unreadable file is a failed verification
-        res.update(ok=False, problems=[{"tensor": None, "problem": f"cannot load the file: {type(exc).__name__}: {exc}"}])
-    else:
-        try:
-            res.update(verify_manifest(ckpt))
-            check_profile(ckpt)
-        except ManifestError as exc:
-            res.update(ok=False, problems=exc.problems or [{"tensor": None, "problem": str(exc)}])
-        except ProfileMismatchError as exc:
-            res.update(ok=False, problems=[{"tensor": None, "problem": str(exc)}])
+        ckpt, summary = verify_file(args.checkpoint)
+        res.update(summary)
+        check_profile(ckpt)
+        res["label"] = ckpt["ldet_manifest"].get("verified", "unknown")
+    except CheckpointFileError as exc:
+        res.update(ok=False, problems=[{"entry": "checkpoint", "problem": str(exc)}])
+    except ManifestError as exc:
+        res.update(ok=False, problems=exc.problems or [{"entry": "checkpoint", "problem": str(exc)}])
+    except ProfileMismatchError as exc:
+        res.update(ok=False, problems=[{"entry": "ldet_manifest/profile", "problem": str(exc)}])
     if args.json:
         print(json.dumps(res, indent=2))
     elif res["ok"]:
-        print(f"OK: {res['tensors']} tensors match the manifest (profile {res['profile']})")
+        print(f"OK: {res['entries']} entries ({res['tensors']} tensors) and every byte of the file match the "
+              f"manifest (profile {res['profile']}; run label {res['label']})")
     else:
         print(f"FAILED: {args.checkpoint}")
         for p in res["problems"]:
-            print(f"  {p['tensor'] + ': ' if p['tensor'] else ''}{p['problem']}")
+            print(f"  {p['entry']}: {p['problem']}")
     return 0 if res["ok"] else 1

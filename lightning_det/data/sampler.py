@@ -126,6 +126,7 @@ class DeterministicSampler(Sampler[int]):
         The world size may differ from the saved one when the global batch is unchanged; a
         different global batch is accepted only where the consumed samples fill whole chunks.
         """
+        _check_state(sd)
         for key in ("dataset_len", "shuffle", "seed"):
             if key in sd and sd[key] != getattr(self, key):
                 raise ValueError(
@@ -143,3 +144,28 @@ class DeterministicSampler(Sampler[int]):
         self.epoch = int(sd["epoch"])
         self.consumed_chunks = consumed_samples // self.global_batch
         self._resume_chunk = self.consumed_chunks
+
+
+_STATE_FIELDS = {  # field -> (required, bool-typed)
+    "epoch": (True, False), "consumed_chunks": (True, False), "consumed_samples": (False, False),
+    "global_batch": (False, False), "dataset_len": (False, False), "shuffle": (False, True), "seed": (False, False),
+}
+
+
+def _check_state(sd) -> None:
+    """Refuse a malformed saved state, naming the entry, before anything is changed."""
+    if not isinstance(sd, dict):
+        raise TypeError(f"DeterministicSampler.load_state_dict: expected a dict, got {type(sd).__name__}")
+    for key, (required, is_bool) in _STATE_FIELDS.items():
+        if key not in sd:
+            if required:
+                raise KeyError(f"DeterministicSampler.load_state_dict: the saved state has no {key!r} entry "
+                               f"(entries: {sorted(sd)})")
+            continue
+        v = sd[key]
+        ok = isinstance(v, bool) if is_bool else isinstance(v, int) and not isinstance(v, bool) and v >= 0
+        if key == "global_batch" and ok and not is_bool:
+            ok = v >= 1
+        if not ok:
+            want = "a bool" if is_bool else "an integer >= 1" if key == "global_batch" else "an integer >= 0"
+            raise ValueError(f"DeterministicSampler.load_state_dict: entry {key!r} must be {want}, got {v!r}")

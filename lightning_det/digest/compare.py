@@ -9,7 +9,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Run", "load_run", "diff_runs", "diff_step", "localize", "SECTIONS"]
+from .schema import DigestFileError, check_record
+
+__all__ = ["Run", "DigestFileError", "load_run", "diff_runs", "diff_step", "localize", "SECTIONS"]
 
 # The order in which a step's differences are listed: what the step computed first comes first.
 SECTIONS = ("loss", "grads", "params", "buffers", "optim", "rng")
@@ -18,61 +20,118 @@ _RANK_FILE = re.compile(r"digests-rank(\d+)\.jsonl$")
 
 @dataclass
 class Run:
-    """The digest records of one run: per rank, its headers, steps and captured events."""
+    """The digest records of one run: per rank, its headers, steps, captured events and label.
+
+    ``labels[rank]`` is the run's final label ("verified", "unverified", or "pending" when the
+    run stopped before its first-step audit): the last label the file records. ``notes`` lists
+    what the reader tolerated, such as a torn last line of a killed run.
+    """
 
     path: Path
     headers: dict[int, list[dict]] = field(default_factory=dict)
     steps: dict[int, dict[int, dict]] = field(default_factory=dict)
     mismatches: dict[int, list[dict]] = field(default_factory=dict)
     captures: dict[int, list[dict]] = field(default_factory=dict)
+    labels: dict[int, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ranks(self) -> list[int]:
         return sorted(self.steps)
 
+    @property
+    def label(self) -> str:
+        """One label for the whole run: the weakest of its ranks' labels."""
+        labels = set(self.labels.values())
+        for weakest in ("unverified", "pending", "verified"):
+            if weakest in labels:
+                return weakest
+        return "unknown"
+
     def step_numbers(self, rank: int = 0) -> list[int]:
         return sorted(self.steps.get(rank, {}))
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def _read_jsonl(path: Path, kinds: tuple[str, ...], notes: list[str]) -> list[tuple[int, dict]]:
+    """``(line number, record)`` of every line, schema-checked; a torn last line is noted and skipped."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DigestFileError(path, _line_of(path, exc.start), None,
+                              f"not UTF-8 text (byte {exc.start}): not a digest file, or a corrupted one") from None
+    lines = text.split("\n")
     out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if n == len(lines):  # no newline after it: the write was cut short (a killed run)
+                notes.append(f"{path}:{n}: torn last line ignored (the run was killed while writing it)")
                 continue
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                # A run killed mid-write leaves a partial last line; anything else is corruption.
-                if f.readline():
-                    raise ValueError(f"{path}:{n}: not a JSON line")
+            raise DigestFileError(path, n, None, f"not a JSON line ({exc.msg} at column {exc.colno})") from None
+        out.append((n, check_record(rec, path, n, kinds)))
     return out
 
 
-def load_run(path: str | Path) -> Run:
-    """Load a run folder (``digests-rank*.jsonl``, ``capture-rank*.jsonl``) or one digests file."""
+def _line_of(path: Path, offset: int) -> int:
+    return path.read_bytes()[:offset].count(b"\n") + 1
+
+
+def _select_run(path: Path, records: list[tuple[int, dict]], run: int | None) -> list[tuple[int, dict]]:
+    """The records of one run of a file: a fresh header starts a run, a resume header continues it."""
+    starts = [i for i, (_, rec) in enumerate(records)
+              if rec["kind"] == "header" and rec.get("resumed_from_step") is None]
+    if not starts or starts[0] != 0:
+        starts = [0] + [i for i in starts if i != 0]
+    if run is None:
+        if len(starts) > 1:
+            lines = [records[i][0] for i in starts]
+            raise DigestFileError(path, lines[1], None,
+                                  f"two runs in one file: fresh run headers at lines {lines}; a reader would "
+                                  "mix their steps. Write each run to its own DigestCallback dirpath, or pick one "
+                                  f"with --run N (1..{len(starts)})")
+        return records
+    if not 1 <= run <= len(starts):
+        raise DigestFileError(path, None, None, f"--run {run}: the file holds {len(starts)} run(s)")
+    bounds = starts + [len(records)]
+    return records[bounds[run - 1]: bounds[run]]
+
+
+def load_run(path: str | Path, run: int | None = None) -> Run:
+    """Load a run folder (``digests-rank*.jsonl``, ``capture-rank*.jsonl``) or one digests file.
+
+    Every line is schema-checked (:mod:`.schema`). A file holding two runs (two fresh headers) is
+    an error unless ``run`` (1-based) selects one.
+    """
     path = Path(path)
     files = [path] if path.is_file() else sorted(path.glob("digests-rank*.jsonl"))
     if not files:
         raise FileNotFoundError(f"{path}: no digests-rank*.jsonl files (is this a DigestCallback dirpath?)")
-    run = Run(path=path)
+    res = Run(path=path)
     for f in files:
         m = _RANK_FILE.search(f.name)
         rank = int(m.group(1)) if m else 0
-        run.headers[rank], run.steps[rank], run.mismatches[rank] = [], {}, []
-        for rec in _read_jsonl(f):
-            kind = rec.get("kind")
+        res.headers[rank], res.steps[rank], res.mismatches[rank] = [], {}, []
+        records = _select_run(f, _read_jsonl(f, ("header", "step", "label", "replica_mismatch"), res.notes), run)
+        if not records or records[0][1]["kind"] != "header":
+            raise DigestFileError(f, records[0][0] if records else None, "kind",
+                                  "a digests file starts with a header record")
+        for _, rec in records:
+            kind = rec["kind"]
             if kind == "header":
-                run.headers[rank].append(rec)
+                res.headers[rank].append(rec)
             elif kind == "step":
                 # A resume from an earlier checkpoint re-writes steps: the latest record wins.
-                run.steps[rank][rec["step"]] = rec
+                res.steps[rank][rec["step"]] = rec
             elif kind == "replica_mismatch":
-                run.mismatches[rank].append(rec)
+                res.mismatches[rank].append(rec)
+            if "verified" in rec:
+                res.labels[rank] = rec["verified"]
         cap = f.with_name(f"capture-rank{rank}.jsonl")
         if cap.exists():
-            events = [e for e in _read_jsonl(cap) if e.get("kind") == "capture"]
+            events = [e for _, e in _read_jsonl(cap, ("capture",), res.notes)]
             # A step captured twice (a resume from an earlier checkpoint): keep the last pass.
             # seq restarts at 0 with every captured step.
             last_pass: dict = {}
@@ -80,8 +139,8 @@ def load_run(path: str | Path) -> Run:
                 if e["seq"] == 0:
                     last_pass[e["step"]] = []
                 last_pass.setdefault(e["step"], []).append(e)
-            run.captures[rank] = [e for s in sorted(last_pass) for e in last_pass[s]]
-    return run
+            res.captures[rank] = [e for s in sorted(last_pass) for e in last_pass[s]]
+    return res
 
 
 def diff_step(a: dict, b: dict) -> list[dict]:
@@ -168,7 +227,10 @@ def diff_runs(a: Run, b: Run, ranks: list[int] | None = None) -> dict:
                 break
         if common:
             through = common[-1] if through is None else min(through, common[-1])
-    res: dict = {"a": str(a.path), "b": str(b.path), "ranks": ranks, "common_steps": min(common_all)}
+    res: dict = {"a": str(a.path), "b": str(b.path), "ranks": ranks, "common_steps": min(common_all),
+                 "labels": {"a": a.label, "b": b.label}}
+    if a.notes or b.notes:
+        res["notes"] = a.notes + b.notes
     for r in ranks:
         only_a = sorted(set(a.steps.get(r, {})) - set(b.steps.get(r, {})))
         only_b = sorted(set(b.steps.get(r, {})) - set(a.steps.get(r, {})))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -133,14 +133,3 @@ def hash_object(obj) -> str:
     """SHA-256 of a JSON-able host object (RNG states, hyper-parameters), canonically encoded."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=repr).encode()).hexdigest()
 
-
-def iter_named_tensors(obj, prefix: str = "") -> Iterable[tuple[str, torch.Tensor]]:
-    """Walk nested dicts/lists/tuples in order, yielding ``("a/b/0", tensor)`` pairs."""
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from iter_named_tensors(v, f"{prefix}/{k}" if prefix else str(k))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from iter_named_tensors(v, f"{prefix}/{i}" if prefix else str(i))

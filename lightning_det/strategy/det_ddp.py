@@ -46,6 +46,7 @@ from ..parallel.env import apply_strict_environment
 from ..parallel.grad_sync import grad_scale_exp, sync_gradients
 from ..parallel.loss import global_loss_reduce
 from ..parallel.reduce import exact_reduce
+from .checkpoint_io import AtomicCheckpointIO
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,9 @@ class DeterministicStrategy(DDPStrategy):
             raise ValueError(f"gemm_plans: expected one of {sorted(_GEMM_PLANS)}, got {gemm_plans!r}")
         # Before anything touches CUDA or NCCL (the Trainer builds strategies first).
         self.det_environment = apply_strict_environment()
+        if kwargs.get("checkpoint_io") is None:
+            # A crash during a save must leave the previous checkpoint valid (temp + fsync + rename).
+            kwargs["checkpoint_io"] = AtomicCheckpointIO()
         super().__init__(*args, **kwargs)
         self.strict = strict
         self.seed = seed
@@ -257,6 +261,14 @@ class DeterministicStrategy(DDPStrategy):
         if not isinstance(tensor, torch.Tensor):
             return tensor
         return exact_reduce(tensor, group=group, reduce_op=str(reduce_op) if reduce_op is not None else "mean")
+
+    @property
+    def det_label(self) -> str:
+        """The run's label for digests and checkpoints: ``"pending"`` while the first step's op
+        audit has yet to run, then ``"verified"`` or ``"unverified"``."""
+        if self.audit and not self._audited and self.det_verified is not False:
+            return "pending"
+        return "verified" if self.det_verified else "unverified"
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:

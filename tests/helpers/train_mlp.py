@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 # Run as a script in a fresh process: make the checkout importable without an install.
@@ -20,6 +21,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_det.callbacks import DigestCallback, ExactResumeCallback
 from lightning_det.data import DeterministicSampler
+from lightning_det.strategy.checkpoint_io import AtomicCheckpointIO
 
 N_SAMPLES, IN, HID, OUT = 64, 16, 32, 4
 
@@ -99,6 +101,19 @@ class CorruptRank(Callback):
                 pl_module.get_parameter(self.name).view(-1)[0] += 1.0
 
 
+class KillInSave(AtomicCheckpointIO):
+    """Test-only: SIGKILL this process inside the save of checkpoint file ``name``, after its temp
+    file is complete and before the rename that would publish it."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def before_rename(self, temp) -> None:
+        if temp.name.startswith(f".{self.name}.tmp-"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def dataset(seed: int = 1234):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(N_SAMPLES, IN, generator=g)
@@ -112,7 +127,7 @@ def run(dirpath: str, *, max_steps: int, batch_size: int = 8, accumulate: int = 
         devices: int = 1, strategy: str = "auto", seed: int = 0, ckpt_every: int = 0, dropout: bool = True,
         optim: str = "adamw", det: bool = False, write_lag: int | None = None,
         accelerator: str = "cpu", replica_action: str = "warn", gradient_clip_val: float | None = None,
-        extra_callbacks: tuple = ()) -> pl.Trainer:
+        extra_callbacks: tuple = (), kill_in_save: str | None = None) -> pl.Trainer:
     torch.use_deterministic_algorithms(True)
     pl.seed_everything(seed, verbose=False)
     model = MLP(dropout=dropout, optim=optim, det=det)
@@ -140,7 +155,9 @@ def run(dirpath: str, *, max_steps: int, batch_size: int = 8, accumulate: int = 
         cbs.append(DigestCallback(dirpath, check_replicas_every_n_steps=replica_check, capture_steps=capture,
                                   on_replica_mismatch=replica_action,
                                   write_lag=write_lag))
+    plugins = [KillInSave(kill_in_save)] if kill_in_save else None
     trainer = pl.Trainer(max_steps=max_steps, accelerator=accelerator, devices=devices, strategy=strategy,
+                         plugins=plugins,
                          accumulate_grad_batches=accumulate, gradient_clip_val=gradient_clip_val, callbacks=cbs, logger=False, enable_checkpointing=bool(ckpt_every),
                          enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                          deterministic=True, default_root_dir=dirpath)
@@ -165,6 +182,8 @@ def main(argv=None) -> None:
     p.add_argument("--no-dropout", action="store_true")
     p.add_argument("--optim", default="adamw", choices=["adamw", "adamwsr"])
     p.add_argument("--det", action="store_true", help="det_transform the model (DetLinear)")
+    p.add_argument("--ckpt-every", type=int, default=0, help="ModelCheckpoint every N steps into DIRPATH/ckpts")
+    p.add_argument("--kill-in-save", help="SIGKILL inside the save of this checkpoint file name (e.g. s4.ckpt)")
     a = p.parse_args(argv)
     corrupt = None
     if a.corrupt:
@@ -172,7 +191,8 @@ def main(argv=None) -> None:
         corrupt = (int(r), n, int(s))
     run(a.dirpath, max_steps=a.max_steps, batch_size=a.batch_size, ckpt_out=a.ckpt_out, ckpt_in=a.ckpt_in,
         replica_check=a.replica_check, corrupt=corrupt, devices=a.devices, strategy=a.strategy,
-        dropout=not a.no_dropout, optim=a.optim, det=a.det, replica_action=a.replica_action)
+        dropout=not a.no_dropout, optim=a.optim, det=a.det, replica_action=a.replica_action,
+        ckpt_every=a.ckpt_every, kill_in_save=a.kill_in_save)
 
 
 if __name__ == "__main__":
