@@ -23,7 +23,7 @@ def _pos(x):
 ELEMENTWISE = {
     "aten.cos": (lambda x, o: torch.cos(x), None),
     "aten.sin": (lambda x, o: torch.sin(x), None),
-    "aten.pow": (lambda x, o: x.pow(3.0) + x.pow(2), None),  # exponents 2 and 3 only: the audit flags others
+    "aten.pow": (lambda x, o: x.pow(3.0) + x.pow(2) + x.pow(1), None),  # exponents 1, 2, 3: the audit flags others
     "aten.rsqrt": (lambda x, o: torch.rsqrt(_pos(x)), (torch.float32,)),
     "aten.exp": (lambda x, o: torch.exp(x), None),
     "aten.log": (lambda x, o: torch.log(_pos(x)), None),

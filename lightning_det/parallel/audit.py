@@ -71,10 +71,11 @@ PROJECT_OPS: Dict[str, VerifiedOp] = {
 
 # Inputs for which a verified op is not invariant on the CPU (its vector body and scalar tail
 # round differently): add/sub with alpha != 1 in bf16/fp16, rsqrt below fp32, and pow unless the
-# exponent is the number 2 or 3 (which PyTorch computes as products). The audit names such a
+# exponent is the number 1, 2 or 3 (which PyTorch computes as a copy or products; x.square()'s
+# backward takes pow(x, 1)). The audit names such a
 # call with a qualifier, e.g. "aten.add(alpha, torch.bfloat16)", which is not verified.
 _HALF = (torch.bfloat16, torch.float16)
-_POW_EXPONENTS = (2, 3)
+_POW_EXPONENTS = (1, 2, 3)
 
 
 def _qualifier(name: str, args, kwargs) -> str:
