@@ -61,3 +61,35 @@ def test_audit_accepts_det_modules_and_per_sample_losses():
 def test_verified_set_is_data():
     assert all(k.startswith("aten.") for k in VERIFIED_OPS) and "aten.mm" not in VERIFIED_OPS
     assert "aten.sum" not in VERIFIED_OPS and "aten._log_softmax" in ROWWISE_OPS
+
+
+def test_message_lists_every_op_with_count_and_class():
+    # more than 20 different unverified ops: none is left out, each with its count and where it ran
+    class Many(nn.Module):
+        def forward(self, x):
+            ops = [torch.sigmoid, torch.sum, torch.mean, torch.cumsum, torch.logsumexp, torch.std, torch.var,
+                   torch.prod, torch.norm, torch.softmax, torch.log_softmax, torch.cumprod, torch.logcumsumexp,
+                   torch.nansum, torch.atan, torch.asin, torch.acos, torch.sinh, torch.cosh, torch.expm1,
+                   torch.log1p, torch.log2, torch.log10, torch.trunc]
+            out = []
+            for f in ops:
+                try:
+                    out.append(f(x, -1))
+                except TypeError:
+                    out.append(f(x))
+            return out
+
+    model = nn.Sequential(Many())
+    x = torch.rand(3, 4) * 0.5
+    with OpAudit(model) as audit:
+        model(x)
+        torch.sigmoid(x)
+        torch.sigmoid(x)
+    bad = audit.violations()
+    assert len(bad) > 20 and ("aten.sigmoid", "'0' (Many)", 1) in bad and ("aten.sigmoid", "code outside any module", 2) in bad
+    with pytest.raises(UnverifiedOpError) as ei:
+        audit.check(strict=True)
+    msg = str(ei.value)
+    assert f"{len(bad)} op(s)" in msg and ei.value.violations == bad
+    for op, where, n in bad:
+        assert f"  {op} x{n} in {where}\n" in msg, (op, where, msg)

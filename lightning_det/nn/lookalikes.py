@@ -7,7 +7,7 @@ HF's activation modules. A class is never matched by its name. The rule, per kin
 1. **Structure**: exactly the expected direct parameters (names and ranks), no buffers, no
    child modules, and the attributes the arithmetic reads (``variance_epsilon``, ``nf``...).
 2. **Code**: the class's ``forward`` has the same bytecode, constants and names as the
-   library's own forward, copied verbatim below (``_ref_*``). A class that changes one
+   library's own forward, read from the installed library (``_refs``). A class that changes one
    operation, a constant or a cast (Gemma's ``1 + weight``, an extra scale) does not match, and
    det_transform reports it like any other uncovered module.
 
@@ -20,7 +20,7 @@ half-precision input and returns fp32; a model held in one dtype sees no differe
 from __future__ import annotations
 
 import functools
-import math
+import importlib
 from typing import Callable, Optional
 
 import torch
@@ -34,56 +34,42 @@ from .norm import DetRMSNorm
 __all__ = ["match_lookalike"]
 
 
-# ---- the library forwards, verbatim (their bytecode is the fingerprint) ---------------------
-# transformers.pytorch_utils.Conv1D.forward
-def _ref_conv1d(self, x):
-    size_out = x.size()[:-1] + (self.nf,)
-    x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
-    x = x.view(size_out)
-    return x
+# ---- the library's own forwards, from the installed library (their bytecode is the fingerprint)
+def _attr(path: str):
+    """``module.Class.attr`` of the installed transformers, or None (not installed, or a version
+    without it: then no class of that kind can be met either)."""
+    mod, _, rest = path.partition(":")
+    try:
+        obj = importlib.import_module(mod)
+    except Exception:  # transformers missing or failing to import: nothing of it to match
+        return None
+    for name in rest.split("."):
+        obj = getattr(obj, name, None)
+        if obj is None:
+            return None
+    return obj
 
 
-# transformers.models.llama.modeling_llama.LlamaRMSNorm.forward (and its "Copied from" twins)
-def _ref_llama_rms(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    input_dtype = hidden_states.dtype
-    hidden_states = hidden_states.to(torch.float32)
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-    return self.weight * hidden_states.to(input_dtype)
+@functools.lru_cache(maxsize=None)
+def _refs() -> dict:
+    """name -> the library function whose code a lookalike's must equal (missing ones left out)."""
+    paths = {
+        "conv1d": "transformers.pytorch_utils:Conv1D.forward",
+        "llama_rms": "transformers.models.llama.modeling_llama:LlamaRMSNorm.forward",
+        "t5_rms": "transformers.models.t5.modeling_t5:T5LayerNorm.forward",
+        "silu": "transformers.activations:SiLUActivation.forward",
+        "new_gelu": "transformers.activations:NewGELUActivation.forward",
+        "act_attr": "transformers.activations:GELUActivation.forward",
+        "gelu_python": "transformers.activations:GELUActivation._gelu_python",
+        "gelu_tanh_python": "transformers.activations:GELUTanh._gelu_tanh_python",
+    }
+    found = {name: _attr(path) for name, path in paths.items()}
+    return {name: fn for name, fn in found.items() if fn is not None}
 
 
-# transformers.models.t5.modeling_t5.T5LayerNorm.forward
-def _ref_t5_rms(self, hidden_states):
-    variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
-    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-    if self.weight.dtype in [torch.float16, torch.bfloat16]:
-        hidden_states = hidden_states.to(self.weight.dtype)
-    return self.weight * hidden_states
-
-
-# transformers.activations.SiLUActivation.forward
-def _ref_silu(self, input):
-    return nn.functional.silu(input)
-
-
-# transformers.activations.NewGELUActivation.forward
-def _ref_new_gelu(self, input):
-    return 0.5 * input * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (input + 0.044715 * torch.pow(input, 3.0))))
-
-
-# transformers.activations.GELUActivation.forward and GELUTanh.forward
-def _ref_act_attr(self, input):
-    return self.act(input)
-
-
-# GELUActivation._gelu_python
-def _ref_gelu_python(self, input):
-    return input * 0.5 * (1.0 + torch.erf(input / math.sqrt(2.0)))
-
-
-# GELUTanh._gelu_tanh_python
-def _ref_gelu_tanh_python(self, input):
-    return input * 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (input + 0.044715 * torch.pow(input, 3.0))))
+def _is(fn, name: str) -> bool:
+    ref = _refs().get(name)
+    return ref is not None and _same_code(fn, ref)
 
 
 def _code_key(fn) -> Optional[tuple]:
@@ -140,9 +126,9 @@ def _gelu_act_kind(act) -> Optional[str]:
         return "none"
     if isinstance(act, functools.partial) and act.func is F.gelu and not act.args and act.keywords == {"approximate": "tanh"}:
         return "tanh"
-    if _same_code(act, _ref_gelu_python):
+    if _is(act, "gelu_python"):
         return "none"
-    if _same_code(act, _ref_gelu_tanh_python):
+    if _is(act, "gelu_tanh_python"):
         return "tanh"
     return None
 
@@ -150,21 +136,21 @@ def _gelu_act_kind(act) -> Optional[str]:
 def match_lookalike(module: nn.Module) -> Optional[Callable[[nn.Module], nn.Module]]:
     """The factory turning ``module`` into its Det version when it matches a rule above, else None."""
     fwd = _forward(module)
-    if _same_code(fwd, _ref_conv1d):
+    if _is(fwd, "conv1d"):
         ok = (_bare(module, {"weight": 2, "bias": 1}) and tuple(module.weight.shape) == (module.nx, module.nf)
               and tuple(module.bias.shape) == (module.nf,))
         return conv1d_to_det if ok else None
-    if _same_code(fwd, _ref_llama_rms) or _same_code(fwd, _ref_t5_rms):
+    if _is(fwd, "llama_rms") or _is(fwd, "t5_rms"):
         eps = getattr(module, "variance_epsilon", None)
         ok = _bare(module, {"weight": 1}) and isinstance(eps, (int, float)) and not isinstance(eps, bool)
         return _to_rms_norm if ok else None
     if not _bare(module, {}):
         return None
-    if _same_code(fwd, _ref_silu):
+    if _is(fwd, "silu"):
         return _to_silu
-    if _same_code(fwd, _ref_new_gelu):
+    if _is(fwd, "new_gelu"):
         return _to_gelu("tanh")
-    if _same_code(fwd, _ref_act_attr):
+    if _is(fwd, "act_attr"):
         kind = _gelu_act_kind(getattr(module, "act", None))
         return None if kind is None else _to_gelu(kind)
     return None
