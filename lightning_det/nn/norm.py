@@ -31,8 +31,8 @@ from torch import nn
 
 from ._swap import swap_class
 
-from .. import _build
 from ..ops import det_finalize
+from ..ops.norm import norm_backward, norm_forward
 from ..ops.trust import trusted_fn
 from .functional import det_col_sums
 from .grad_digits import contribute_grad, digit_mode, note_forward_use
@@ -40,11 +40,6 @@ from .grad_digits import contribute_grad, digit_mode, note_forward_use
 __all__ = ["DetLayerNorm", "DetRMSNorm"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _ops():
-    _build.load()
-    return torch.ops.ldet
 
 
 def _grad_or_digits(module, param, acc, digits: bool):
@@ -61,7 +56,7 @@ class _DetNormFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, module, width, eps, rms):
         w = None if weight is None else weight.reshape(width).float()
         b = None if bias is None else bias.reshape(width).float()
-        y, xhat, rstd = _ops().norm_forward(x.reshape(-1, width), w, b, eps, rms)
+        y, xhat, rstd = norm_forward(x.reshape(-1, width), w, b, eps, rms)
         ctx.save_for_backward(xhat, rstd, weight, bias)
         ctx.module, ctx.width, ctx.rms, ctx.x_shape, ctx.x_dtype = module, width, rms, x.shape, x.dtype
         return y.reshape(x.shape)
@@ -75,7 +70,7 @@ class _DetNormFn(torch.autograd.Function):
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
             w = None if weight is None else weight.reshape(width).float()
-            gx = _ops().norm_backward(gy2, xhat, rstd, w, ctx.rms, ctx.x_dtype).reshape(ctx.x_shape)
+            gx = norm_backward(gy2, xhat, rstd, w, ctx.rms, ctx.x_dtype).reshape(ctx.x_shape)
         digits = digit_mode(ctx.module)
         want_w = weight is not None and ctx.needs_input_grad[1]
         want_b = bias is not None and ctx.needs_input_grad[2]
@@ -151,17 +146,3 @@ class DetRMSNorm(nn.RMSNorm):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", exact=True"
-
-
-def _register_fakes() -> None:
-    @torch.library.register_fake("ldet::norm_forward")
-    def _(x, weight, bias, eps, rms):
-        return (torch.empty_like(x, memory_format=torch.contiguous_format),
-                x.new_empty(x.shape, dtype=torch.float32), x.new_empty((x.shape[0],), dtype=torch.float32))
-
-    @torch.library.register_fake("ldet::norm_backward")
-    def _(gy, xhat, rstd, weight, rms, out_dtype):
-        return gy.new_empty(gy.shape, dtype=out_dtype)
-
-
-_build.on_load(_register_fakes)
