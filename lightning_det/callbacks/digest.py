@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 from ..digest import FORMAT, digest_many, digest_many_async, hash_object, tensor_digest
 from ..profile import PROFILE
@@ -238,10 +239,12 @@ class DigestCallback(Callback):
         self._resumed_from: int | None = None
 
     # -- Lightning state: the chain continues across a resume -----------------------------
+    @override
     def state_dict(self) -> dict:
         self._drain(0)  # the chain saved must cover every step taken so far
         return {"chain": self._chain, "last_step": self._last_step}
 
+    @override
     def load_state_dict(self, state_dict: dict) -> None:
         self._chain = state_dict["chain"]
         self._last_step = int(state_dict["last_step"])
@@ -257,6 +260,7 @@ class DigestCallback(Callback):
             f.flush()
 
     # -- hooks -----------------------------------------------------------------------------
+    @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._rank = trainer.global_rank
         self.dirpath.mkdir(parents=True, exist_ok=True)
@@ -274,6 +278,7 @@ class DigestCallback(Callback):
         if self.capture_steps is not None:
             self._capture = _Capture(self.dirpath / f"capture-rank{self._rank}.jsonl", self.capture_backward)
 
+    @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._drain(0)
         for h in self._hooks:
@@ -283,9 +288,11 @@ class DigestCallback(Callback):
             self._capture.detach()
             self._capture.flush()
 
+    @override
     def on_exception(self, trainer, pl_module, exception) -> None:
         self.on_train_end(trainer, pl_module)
 
+    @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         cap = self._capture
         if cap is None:
@@ -301,6 +308,7 @@ class DigestCallback(Callback):
         elif cap.attached:
             cap.detach()
 
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._capture is not None:
             self._capture.flush()

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 from ..data.sampler import DeterministicSampler
 from ..digest.manifest import MANIFEST_KEY, build_manifest, check_profile, verify_manifest
@@ -37,10 +38,12 @@ class ManifestCallback(Callback):
         super().__init__()
         self.require_manifest = require_manifest
 
+    @override
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         # Called after Lightning has filled in weights, optimizer, loops and callback states.
         checkpoint[MANIFEST_KEY] = build_manifest(checkpoint, {"world_size": trainer.world_size})
 
+    @override
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         if MANIFEST_KEY not in checkpoint:
             msg = ("lightning_det: this checkpoint has no manifest, so its bytes and numerical profile "
@@ -146,12 +149,14 @@ class ExactResumeCallback(ManifestCallback):
         self._trainer_ref = None
 
     # -- progress --------------------------------------------------------------------------
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # The loop's own count: a prefetching DataLoader has already fetched further.
         for s in find_deterministic_samplers(trainer):
             s.mark_consumed(batch_idx + 1, epoch=trainer.current_epoch)
 
     # -- save ------------------------------------------------------------------------------
+    @override
     def state_dict(self) -> dict:
         import torch.distributed as dist
 
@@ -168,10 +173,12 @@ class ExactResumeCallback(ManifestCallback):
             "samplers": [s.state_dict() for s in find_deterministic_samplers(trainer)] if trainer else [],
         }
 
+    @override
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._trainer_ref = trainer
 
     # -- load ------------------------------------------------------------------------------
+    @override
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         super().on_load_checkpoint(trainer, pl_module, checkpoint)
         _resume_mid_epoch_fixup(checkpoint)
@@ -180,6 +187,7 @@ class ExactResumeCallback(ManifestCallback):
             for o in checkpoint.get("optimizer_states", [])
         ]
 
+    @override
     def load_state_dict(self, state_dict: dict) -> None:
         trainer = self._trainer_ref
         rank, world = trainer.global_rank, trainer.world_size
@@ -197,6 +205,7 @@ class ExactResumeCallback(ManifestCallback):
             )
         self._pending_samplers = state_dict.get("samplers", [])
 
+    @override
     def on_train_start(self, trainer, pl_module) -> None:
         if self._pending_samplers is not None:
             samplers = find_deterministic_samplers(trainer)
@@ -229,6 +238,7 @@ class ExactResumeCallback(ManifestCallback):
                                   "from the global RNG; the data position is not restored for it.", RuntimeWarning,
                                   stacklevel=2)
 
+    @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._pending_rng is None:
             return

@@ -31,19 +31,21 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, Strategy
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from typing_extensions import override
 
 from ..nn.attention import det_function_mode
 from ..ops import slices_guess
 from ..ops.deferred_checks import DeferredChecks, deferring_checks
 from ..nn.grad_digits import eager_rounding, set_grad_digits
-from ..optim.clip import clip_grad_norm_exact_
 from ..parallel.audit import OpAudit
 from ..parallel.env import apply_strict_environment
 from ..parallel.grad_sync import grad_scale_exp, sync_gradients
 from ..parallel.loss import consume_global_mean_flag, global_loss_reduce
 from ..parallel.reduce import exact_reduce
+from .precision import exact_norm_clipping
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +111,17 @@ class DeterministicStrategy(DDPStrategy):
         self._checks = DeferredChecks()  # the current step's deferred input checks
 
     # ---- set-up --------------------------------------------------------------------------
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return Strategy.precision_plugin.fget(self)
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+        # Whichever plugin Lightning hands over (it follows ``precision=``) clips by the exact norm.
+        Strategy.precision_plugin.fset(self, exact_norm_clipping(precision_plugin or Precision()))
+
+    @override
     def setup(self, trainer) -> None:
         super().setup(trainer)
         module = self.lightning_module
@@ -123,13 +136,16 @@ class DeterministicStrategy(DDPStrategy):
         # step can still downgrade it (non-strict) or stop the run (strict).
         self.det_verified = not self.det_unverified_reasons
         self._sync_initial_states()
-        self._patch_clipping()
 
+    @override
     def _setup_model(self, model):
-        # No DistributedDataParallel: gradients are reduced as digits in optimizer_step.
+        # Private, but the one place DDPStrategy wraps the model in DistributedDataParallel; no
+        # wrapper here: gradients are reduced as digits in optimizer_step.
         return model
 
+    @override
     def _register_ddp_hooks(self) -> None:
+        # Private, but DDPStrategy calls it on a model it never wrapped here: there is no DDP to hook.
         return None
 
     def _sync_initial_states(self) -> None:
@@ -139,20 +155,13 @@ class DeterministicStrategy(DDPStrategy):
             for t in list(self.lightning_module.parameters()) + list(self.lightning_module.buffers()):
                 dist.broadcast(t.data, src=0)
 
-    def _patch_clipping(self) -> None:
-        plugin = self.precision_plugin
-
-        def clip_grad_by_norm(optimizer, clip_val):
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            clip_grad_norm_exact_(params, float(clip_val))
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm
-
     # ---- data ----------------------------------------------------------------------------
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         """Replaces the training sampler with the world-size independent DeterministicSampler."""
         if not isinstance(dataloader, DataLoader) or self.lightning_module is None:
             return dataloader
+        # ``_trainer``: the public ``trainer`` property raises where no Trainer is attached
         trainer = self.lightning_module._trainer
         if trainer is None or not trainer.training:
             return dataloader
@@ -176,6 +185,7 @@ class DeterministicStrategy(DDPStrategy):
         )
 
     # ---- the step ------------------------------------------------------------------------
+    @override
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         # The closure runs the step's last (or only) micro-batch; with one process nothing is
         # reduced after it, so single-contribution gradients may be rounded in the backward.
@@ -221,6 +231,7 @@ class DeterministicStrategy(DDPStrategy):
         # versions; cross-entropy means and sums are taken over every rank's rows
         return det_function_mode(strict=self.strict, loss_reduce=global_loss_reduce)
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # value checks of the step's inputs wait for optimizer_step instead of synchronizing the
         # host in the forward (lightning_det.ops.deferred_checks)
@@ -234,6 +245,7 @@ class DeterministicStrategy(DDPStrategy):
             self._checks.resolve()  # manual optimization: the step's own optimizer_step calls resolved theirs
         return out
 
+    @override
     def backward(self, closure_loss, optimizer, *args: Any, **kwargs: Any):
         with self._gemm_plans():  # every micro-batch's backward, manual_backward too
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -241,17 +253,20 @@ class DeterministicStrategy(DDPStrategy):
     def _gemm_plans(self):
         return slices_guess(gemm_plans_mode(self.gemm_plans, self.root_device.type))
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._function_mode():
             return super().validation_step(*args, **kwargs)
 
     # ---- logging -------------------------------------------------------------------------
+    @override
     def reduce(self, tensor, group=None, reduce_op="mean"):
         if not isinstance(tensor, torch.Tensor):
             return tensor
         return exact_reduce(tensor, group=group, reduce_op=str(reduce_op) if reduce_op is not None else "mean")
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry) -> None:
         for name, start_method in (("det_ddp", "popen"), ("det_ddp_spawn", "spawn")):
             strategy_registry.register(
