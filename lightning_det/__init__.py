@@ -8,19 +8,14 @@ Layers (dependencies point downward only):
   strategy / callbacks / cli   Lightning glue
 
 ``import lightning_det`` registers ``Trainer(strategy="det_ddp")`` (and ``"det_ddp_spawn"``,
-and ``Fabric(strategy="det_ddp")``) when Lightning is installed.
+and ``Fabric(strategy="det_ddp")``) without importing Lightning: at once if Lightning is already
+imported, else when it is (:mod:`lightning_det._lightning_hook`).
 """
+from ._lightning_hook import register_when_imported
 from .parallel.loss import global_mean, global_sum
 from .profile import PROFILE
 
 __version__ = "0.1.0"
 __all__ = ["PROFILE", "global_mean", "global_sum", "__version__"]
 
-try:
-    import lightning  # noqa: F401
-except ImportError:  # the ops/nn/optim layers work without Lightning
-    pass
-else:
-    from .strategy import register as _register
-
-    _register()
+register_when_imported()

@@ -151,8 +151,8 @@ def load() -> None:
 def on_load(hook) -> None:
     """Run ``hook()`` once the core is loaded (now, if it already is).
 
-    Each ops module uses this for its ``register_fake``/``register_autograd`` calls, so that
-    importing lightning_det never triggers a build.
+    The ops registry (:mod:`lightning_det.ops._registry`) uses this for its ``register_fake`` /
+    ``register_autograd`` calls, so that importing lightning_det never triggers a build.
     """
     if _loaded:
         hook()

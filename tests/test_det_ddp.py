@@ -121,3 +121,38 @@ def test_gemm_plans_argument_is_checked():
         DeterministicStrategy(gemm_plans="often")
     assert gemm_plans_mode("auto", "cuda") == "cached" and gemm_plans_mode("auto", "cpu") == "default"
     assert gemm_plans_mode("sync", "cuda") == "sync"
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
+def test_trainer_clipping_is_exact_under_every_precision_plugin(precision):
+    # Lightning picks the precision plugin from `precision=`; under det_ddp, whichever it picks
+    # clips by the exact norm (the same bytes as clip_grad_norm_exact_), keeping its own class.
+    import pickle
+
+    import torch
+    from lightning.pytorch import Trainer
+
+    from lightning_det.optim import clip_grad_norm_exact_
+    from lightning_det.strategy.precision import ExactNormClipping
+
+    trainer = Trainer(strategy="det_ddp", accelerator="cpu", devices=1, precision=precision, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    plugin = trainer.precision_plugin
+    assert isinstance(plugin, ExactNormClipping) and type(plugin).__name__ == "Exact" + type(plugin).__mro__[2].__name__
+    # det_ddp_spawn pickles the Trainer, plugin included
+    assert type(pickle.loads(pickle.dumps(trainer.strategy)).precision_plugin) is type(plugin)
+
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(97, 31, generator=g) * 10.0 ** torch.randint(-3, 3, (97, 1), generator=g) for _ in range(3)]
+
+    def clipped(clip):
+        params = [torch.nn.Parameter(torch.zeros_like(t)) for t in grads]
+        for p, t in zip(params, grads):
+            p.grad = t.clone()
+        clip(torch.optim.SGD(params, lr=0.1), params)
+        return torch.cat([p.grad.flatten() for p in params])
+
+    got = clipped(lambda opt, ps: plugin.clip_grad_by_norm(opt, 0.5))
+    assert torch.equal(got, clipped(lambda opt, ps: clip_grad_norm_exact_(ps, 0.5)))
+    # control: torch's clipping (the stock plugin's) gives other bytes on these gradients
+    assert not torch.equal(got, clipped(lambda opt, ps: torch.nn.utils.clip_grad_norm_(ps, 0.5)))

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 from ..digest import FORMAT, digest_many, digest_many_async, hash_object, tensor_digest
 from ..profile import PROFILE
@@ -251,11 +252,13 @@ class DigestCallback(Callback):
         self._label = "pending"
 
     # -- Lightning state: the chain continues across a resume -----------------------------
+    @override
     def state_dict(self) -> dict:
         self._drain(0)  # the chain saved must cover every step taken so far
         self._sync()  # and be on disk before the checkpoint that continues it
         return {"chain": self._chain, "last_step": self._last_step}
 
+    @override
     def load_state_dict(self, state_dict: dict) -> None:
         chain, last = (state_dict.get(k) if isinstance(state_dict, dict) else None for k in ("chain", "last_step"))
         if not (isinstance(chain, str) and len(chain) == 64):
@@ -289,6 +292,7 @@ class DigestCallback(Callback):
                 os.close(fd)
 
     # -- hooks -----------------------------------------------------------------------------
+    @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._rank = trainer.global_rank
         self.dirpath.mkdir(parents=True, exist_ok=True)
@@ -308,6 +312,7 @@ class DigestCallback(Callback):
         if self.capture_steps is not None:
             self._capture = _Capture(self.dirpath / f"capture-rank{self._rank}.jsonl", self.capture_backward)
 
+    @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._drain(0)
         for h in self._hooks:
@@ -317,9 +322,11 @@ class DigestCallback(Callback):
             self._capture.detach()
             self._capture.flush()
 
+    @override
     def on_exception(self, trainer, pl_module, exception) -> None:
         self.on_train_end(trainer, pl_module)
 
+    @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         cap = self._capture
         if cap is None:
@@ -335,6 +342,7 @@ class DigestCallback(Callback):
         elif cap.attached:
             cap.detach()
 
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._capture is not None:
             self._capture.flush()

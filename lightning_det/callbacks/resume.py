@@ -15,6 +15,7 @@ import torch
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from typing_extensions import override
 
 from ..data.sampler import DeterministicSampler
 from .digest import run_label
@@ -49,17 +50,20 @@ class ManifestCallback(Callback):
         super().__init__()
         self.require_manifest = require_manifest
 
+    @override
     def setup(self, trainer, pl_module, stage: str) -> None:
         # Before Lightning restores a checkpoint (that comes after the setup hooks), so the
         # load goes through it too.
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
 
+    @override
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         # Called after Lightning has filled in weights, optimizer, loops and callback states.
         checkpoint[MANIFEST_KEY] = build_manifest(
             checkpoint, {"world_size": trainer.world_size, "verified": run_label(trainer.strategy)})
 
+    @override
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         problems, has_manifest = [], True
         try:
@@ -179,12 +183,14 @@ class ExactResumeCallback(ManifestCallback):
         self._trainer_ref = None
 
     # -- progress --------------------------------------------------------------------------
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # The loop's own count: a prefetching DataLoader has already fetched further.
         for s in find_deterministic_samplers(trainer):
             s.mark_consumed(batch_idx + 1, epoch=trainer.current_epoch)
 
     # -- save ------------------------------------------------------------------------------
+    @override
     def state_dict(self) -> dict:
         import torch.distributed as dist
 
@@ -201,11 +207,13 @@ class ExactResumeCallback(ManifestCallback):
             "samplers": [s.state_dict() for s in find_deterministic_samplers(trainer)] if trainer else [],
         }
 
+    @override
     def setup(self, trainer, pl_module, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         self._trainer_ref = trainer
 
     # -- load ------------------------------------------------------------------------------
+    @override
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         super().on_load_checkpoint(trainer, pl_module, checkpoint)
         _resume_mid_epoch_fixup(checkpoint)
@@ -214,6 +222,7 @@ class ExactResumeCallback(ManifestCallback):
             for o in checkpoint.get("optimizer_states", [])
         ]
 
+    @override
     def load_state_dict(self, state_dict: dict) -> None:
         _check_saved_state(state_dict)
         trainer = self._trainer_ref
@@ -232,6 +241,7 @@ class ExactResumeCallback(ManifestCallback):
             )
         self._pending_samplers = state_dict.get("samplers", [])
 
+    @override
     def on_train_start(self, trainer, pl_module) -> None:
         if self._pending_samplers is not None:
             samplers = find_deterministic_samplers(trainer)
@@ -264,6 +274,7 @@ class ExactResumeCallback(ManifestCallback):
                                   "from the global RNG; the data position is not restored for it.", RuntimeWarning,
                                   stacklevel=2)
 
+    @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._pending_rng is None:
             return

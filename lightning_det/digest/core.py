@@ -8,7 +8,8 @@ from typing import Sequence
 import torch
 
 from .. import _build
-from .reference import CHUNK_BYTES, digest_from_chunks
+from ..ops.digest import digest_chunks
+from .reference import digest_from_chunks
 
 __all__ = ["dtype_name", "tensor_digest", "digest_many", "digest_many_async", "PendingDigests", "hash_object"]
 
@@ -16,16 +17,6 @@ __all__ = ["dtype_name", "tensor_digest", "digest_many", "digest_many_async", "P
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float32`` -> ``"float32"``: the name that enters the digest."""
     return str(dtype).replace("torch.", "")
-
-
-def _register_fake() -> None:
-    @torch.library.register_fake("ldet::digest_chunks")
-    def _(self):  # noqa: ANN001 - torch.library signature
-        nbytes = self.numel() * self.element_size()
-        return self.new_empty(((nbytes + CHUNK_BYTES - 1) // CHUNK_BYTES,), dtype=torch.long)
-
-
-_build.on_load(_register_fake)
 
 
 def _prepare(t: torch.Tensor) -> torch.Tensor:
@@ -92,7 +83,7 @@ def digest_many_async(tensors: Sequence[torch.Tensor]) -> PendingDigests:
             "deliberately never copied to the host."
         )
     meta = [(dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for t in prepared]
-    chunks = [torch.ops.ldet.digest_chunks(t) for t in prepared]
+    chunks = [digest_chunks(t) for t in prepared]
     by_dev: dict = {}
     for i, c in enumerate(chunks):
         by_dev.setdefault(c.device, []).append(i)

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import hashlib
 
+from ..ops.digest import CHUNK_BYTES
+
 FORMAT = "ldet-digest-v1"
-CHUNK_BYTES = 16384
 CHUNK_WORDS = CHUNK_BYTES // 8
 GOLDEN = 0x9E3779B97F4A7C15
 MASK = (1 << 64) - 1

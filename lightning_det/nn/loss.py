@@ -37,10 +37,10 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from ..ops import det_finalize, det_normalize, to_digits
+from ..ops.cross_entropy import ce_backward, ce_forward
 from ..ops.deferred_checks import DeferredChecks, check_now_or_later
 from ..ops.exact_scalar import mean_of_acc, pow2_scale_exp, reciprocal
 from ..ops.trust import trusted, trusted_fn
-from .functional import _ops
 from .step_state import current_step_state
 
 __all__ = ["det_cross_entropy", "det_cross_entropy_checked", "exact_loss_reduce", "cross_entropy_unsupported"]
@@ -60,7 +60,7 @@ class _CrossEntropyRows(torch.autograd.Function):
     @trusted_fn
     def forward(ctx, x, target, valid):
         # x (N, C) float32/bf16/fp16; target (N,) int64 in [0, C) where valid; valid (N,) bool
-        loss, e, s = _ops().ce_forward(x, target, valid)
+        loss, e, s = ce_forward(x, target, valid)
         ctx.save_for_backward(e, s, target, valid)
         ctx.x_dtype = x.dtype
         return loss
@@ -69,7 +69,7 @@ class _CrossEntropyRows(torch.autograd.Function):
     @trusted_fn
     def backward(ctx, grad):
         e, s, target, valid = ctx.saved_tensors
-        return _ops().ce_backward(e, s, target, valid, grad, ctx.x_dtype), None, None
+        return ce_backward(e, s, target, valid, grad, ctx.x_dtype), None, None
 
 
 Combine = Callable[[torch.Tensor, int], Tuple[torch.Tensor, int]]

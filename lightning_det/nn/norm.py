@@ -32,8 +32,8 @@ from torch import nn
 
 from ._swap import swap_class
 
-from .. import _build
 from ..ops import det_finalize
+from ..ops.norm import norm_backward, norm_forward
 from ..ops.trust import trusted_fn
 from .functional import det_col_sums
 from .step_state import StepState
@@ -41,11 +41,6 @@ from .step_state import StepState
 __all__ = ["DetLayerNorm", "DetRMSNorm"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _ops():
-    _build.load()
-    return torch.ops.ldet
 
 
 def _grad_or_digits(state: Optional[StepState], param, acc):
@@ -64,7 +59,7 @@ class _DetNormFn(torch.autograd.Function):
         b = None if bias is None else bias.reshape(width).float()
         # x (rows, width) and y 2-D: y is a fresh tensor, never a view made in here, so in-place
         # ops on the module's output work as on nn.LayerNorm's
-        y, xhat, rstd = _ops().norm_forward(x, w, b, eps, rms)
+        y, xhat, rstd = norm_forward(x, w, b, eps, rms)
         ctx.save_for_backward(xhat, rstd, weight, bias)
         # the state keys gradients by the Parameter objects themselves
         ctx.params = (weight, bias) if state is not None else None
@@ -82,7 +77,7 @@ class _DetNormFn(torch.autograd.Function):
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
             w = None if weight is None else weight.reshape(width).float()
-            gx = _ops().norm_backward(gy2, xhat, rstd, w, ctx.rms, ctx.x_dtype).reshape(ctx.x_shape)
+            gx = norm_backward(gy2, xhat, rstd, w, ctx.rms, ctx.x_dtype).reshape(ctx.x_shape)
         want_w = weight is not None and ctx.needs_input_grad[1]
         want_b = bias is not None and ctx.needs_input_grad[2]
         if want_w or want_b:
@@ -165,17 +160,3 @@ class DetRMSNorm(nn.RMSNorm):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", exact=True"
-
-
-def _register_fakes() -> None:
-    @torch.library.register_fake("ldet::norm_forward")
-    def _(x, weight, bias, eps, rms):
-        return (torch.empty_like(x, memory_format=torch.contiguous_format),
-                x.new_empty(x.shape, dtype=torch.float32), x.new_empty((x.shape[0],), dtype=torch.float32))
-
-    @torch.library.register_fake("ldet::norm_backward")
-    def _(gy, xhat, rstd, weight, rms, out_dtype):
-        return gy.new_empty(gy.shape, dtype=out_dtype)
-
-
-_build.on_load(_register_fakes)

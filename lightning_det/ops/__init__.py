@@ -1,4 +1,12 @@
-"""Exact long-accumulator ops (no Lightning import). See :mod:`lightning_det.ops.longacc`."""
+"""The ops layer: the only code that calls the compiled ``ldet`` kernels (no Lightning import).
+
+- :mod:`.longacc`: exact GEMMs and LongAcc digit arithmetic (the public ops below);
+- :mod:`.sums`: exact row/column sums of products as digits;
+- :mod:`.distributed`: the exact digit all-reduce;
+- kernels behind nn, optim and digest, each file one job: :mod:`.activation`, :mod:`.norm`,
+  :mod:`.cross_entropy`, :mod:`.optim`, :mod:`.digest`;
+- :mod:`._registry`: loading the core, every fake and autograd registration of the ldet ops.
+"""
 from .distributed import det_all_reduce
 from .linear import det_linear
 from .longacc import (
@@ -14,6 +22,7 @@ from .longacc import (
     scatter_sum_digits,
     to_digits,
 )
+from .sums import det_col_sums, det_row_sums
 
 __all__ = [
     "LongAcc",
@@ -23,6 +32,8 @@ __all__ = [
     "det_combine",
     "det_finalize",
     "det_normalize",
+    "det_row_sums",
+    "det_col_sums",
     "det_all_reduce",
     "gemm_path",
     "last_fp64_counts",

@@ -1,4 +1,4 @@
-"""Exact long-accumulator ops: thin, checked wrappers over ``torch.ops.ldet``.
+"""Exact long-accumulator ops: thin, checked wrappers over the compiled ``ldet`` kernels.
 
 ``LongAcc`` is a plain ``torch.int64`` tensor with a trailing dimension of 19 words: 18 signed
 radix-2^32 digits (value = sum_i d_i * 2^(32 i - 298)) and one status word counting NaN, +inf and
@@ -18,7 +18,8 @@ from typing import Iterable, Iterator, Optional, Sequence
 import torch
 
 from .. import _build
-from ..profile import LSB_EXP, NDIGITS, PROFILE, STATUS_BITS, WORDS
+from ..profile import WORDS
+from ._registry import ldet as _ops
 
 __all__ = [
     "LongAcc",
@@ -38,11 +39,6 @@ LongAcc = torch.Tensor  # int64, shape (..., 19); see the module docstring
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_COMBINE = 1 << 30  # canonical inputs: a digit absorbs 2^31 - 2 of them (longacc.h)
-
-
-def _ops():
-    _build.load()
-    return torch.ops.ldet
 
 
 def _check_device(t: torch.Tensor, name: str) -> None:
@@ -341,56 +337,3 @@ def scatter_sum_digits(a: torch.Tensor, index: torch.Tensor, n_out: int) -> Long
         bad = int(index[(index < 0) | (index >= n_out)][0])
         raise ValueError(f"index: expected values in [0, {n_out}), got {bad}")
     return _ops().scatter_sum(a, index, n_out)
-
-
-def _register_fakes() -> None:
-    lib = "ldet::"
-
-    @torch.library.register_fake(lib + "gemm_partial")
-    def _(x, w, bias=None, norm_interval=0, plans=(-1, -1)):
-        return x.new_empty((x.shape[0], w.shape[0], WORDS), dtype=torch.int64)
-
-    @torch.library.register_fake(lib + "gemm")
-    def _(x, w, bias=None, out_dtype=None, plans=(-1, -1)):
-        return x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype or torch.float32)
-
-    @torch.library.register_fake(lib + "normalize")
-    def _(acc):
-        return torch.empty_like(acc)
-
-    @torch.library.register_fake(lib + "finalize")
-    def _(acc, dtype, scale_exp=0):
-        return acc.new_empty(acc.shape[:-1], dtype=dtype)
-
-    @torch.library.register_fake(lib + "to_digits")
-    def _(x):
-        return x.new_empty((*x.shape, WORDS), dtype=torch.int64)
-
-    @torch.library.register_fake(lib + "scatter_sum")
-    def _(a, index, n_out):
-        return a.new_empty((n_out, a.shape[1], WORDS), dtype=torch.int64)
-
-    from .linear import linear_backward  # the one exact-linear autograd formula, DetLinear's too
-
-    def _gemm_setup(ctx, inputs, output):
-        x, w, bias, out_dtype, plans = inputs
-        ctx.save_for_backward(x, w, bias)
-        ctx.plans = list(plans)
-
-    def _gemm_backward(ctx, grad):
-        x, w, bias = ctx.saved_tensors
-        gx, gw, gb = linear_backward(grad, x, w, bias, ctx.needs_input_grad, ctx.plans)
-        return gx, gw, gb, None, None
-
-    torch.library.register_autograd(lib + "gemm", _gemm_backward, setup_context=_gemm_setup)
-
-    layout = list(torch.ops.ldet.layout())
-    expected = [NDIGITS, WORDS, LSB_EXP, STATUS_BITS]
-    if layout[:4] != expected or torch.ops.ldet.profile() != PROFILE:
-        raise _build.ExtensionError(
-            f"compiled core layout {layout} / profile {torch.ops.ldet.profile()!r} does not match "
-            f"the Python side {expected} / {PROFILE!r}: the build cache is stale; delete it"
-        )
-
-
-_build.on_load(_register_fakes)

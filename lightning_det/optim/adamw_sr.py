@@ -54,7 +54,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from .. import _build
+from ..ops.optim import adamw_sr_step, sr_round_bf16
 
 __all__ = ["AdamWSR", "stochastic_round_bf16"]
 
@@ -184,8 +184,6 @@ class AdamWSR(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        _build.load()
-        op = torch.ops.ldet.adamw_sr_step
         defaults = None
         for group in self.param_groups:
             lr, (beta1, beta2) = group["lr"], group["betas"]
@@ -223,7 +221,7 @@ class AdamWSR(torch.optim.Optimizer):
                 state["step"] += 1
                 t = int(state["step"])
                 s = _host_scalars(lr, beta1, beta2, eps, wd, t)
-                op(p, grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], s["decay"],
+                adamw_sr_step(p, grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], s["decay"],
                    s["beta1"], s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"],
                    s["step_size"], s["bias_correction2_sqrt"], s["eps"], _signed64(seed), t, base)
         return loss
@@ -278,18 +276,4 @@ def stochastic_round_bf16(x: torch.Tensor, seed: int, step: int = 0,
     if not 0 <= step < 1 << 63 or not 0 <= base_index < 1 << 63:
         raise ValueError("stochastic_round_bf16: step and base_index must be in [0, 2**63), "
                          f"got {step}, {base_index}")
-    _build.load()
-    return torch.ops.ldet.sr_round_bf16(x, _signed64(seed), step, base_index)
-
-
-def _register_fakes() -> None:
-    @torch.library.register_fake("ldet::sr_round_bf16")
-    def _(x, seed, step, base_index):
-        return torch.empty_like(x, dtype=torch.bfloat16, memory_format=torch.contiguous_format)
-
-    @torch.library.register_fake("ldet::adamw_sr_step")
-    def _(param, grad, exp_avg, exp_avg_sq, *args):
-        return None
-
-
-_build.on_load(_register_fakes)
+    return sr_round_bf16(x, _signed64(seed), step, base_index)

@@ -34,19 +34,21 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, Strategy
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from typing_extensions import override
 
 from ..nn.function_mode import det_function_mode
 from ..nn.grad_digits import set_grad_digits
 from ..nn.step_state import StepState, StepStateMode
-from ..optim.clip import clip_grad_norm_exact_
 from ..parallel.audit import OpAudit
 from ..parallel.env import apply_strict_environment
 from ..parallel.grad_sync import grad_scale_exp, sync_gradients
 from ..parallel.loss import global_loss_reduce
 from ..parallel.reduce import exact_reduce
 from .checkpoint_io import AtomicCheckpointIO
+from .precision import exact_norm_clipping
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +119,17 @@ class DeterministicStrategy(DDPStrategy):
         self.step_state = StepState()
 
     # ---- set-up --------------------------------------------------------------------------
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return Strategy.precision_plugin.fget(self)
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+        # Whichever plugin Lightning hands over (it follows ``precision=``) clips by the exact norm.
+        Strategy.precision_plugin.fset(self, exact_norm_clipping(precision_plugin or Precision()))
+
+    @override
     def setup(self, trainer) -> None:
         super().setup(trainer)
         module = self.lightning_module
@@ -132,13 +145,16 @@ class DeterministicStrategy(DDPStrategy):
         # step can still downgrade it (non-strict) or stop the run (strict).
         self.det_verified = not self.det_unverified_reasons
         self._sync_initial_states()
-        self._patch_clipping()
 
+    @override
     def _setup_model(self, model):
-        # No DistributedDataParallel: gradients are reduced as digits in optimizer_step.
+        # Private, but the one place DDPStrategy wraps the model in DistributedDataParallel; no
+        # wrapper here: gradients are reduced as digits in optimizer_step.
         return model
 
+    @override
     def _register_ddp_hooks(self) -> None:
+        # Private, but DDPStrategy calls it on a model it never wrapped here: there is no DDP to hook.
         return None
 
     def _sync_initial_states(self) -> None:
@@ -148,20 +164,13 @@ class DeterministicStrategy(DDPStrategy):
             for t in list(self.lightning_module.parameters()) + list(self.lightning_module.buffers()):
                 dist.broadcast(t.data, src=0)
 
-    def _patch_clipping(self) -> None:
-        plugin = self.precision_plugin
-
-        def clip_grad_by_norm(optimizer, clip_val):
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            clip_grad_norm_exact_(params, float(clip_val))
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm
-
     # ---- data ----------------------------------------------------------------------------
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         """Replaces the training sampler with the world-size independent DeterministicSampler."""
         if not isinstance(dataloader, DataLoader) or self.lightning_module is None:
             return dataloader
+        # ``_trainer``: the public ``trainer`` property raises where no Trainer is attached
         trainer = self.lightning_module._trainer
         if trainer is None or not trainer.training:
             return dataloader
@@ -185,6 +194,7 @@ class DeterministicStrategy(DDPStrategy):
         )
 
     # ---- the step ------------------------------------------------------------------------
+    @override
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         # The closure runs the step's last (or only) micro-batch; with one process nothing is
         # reduced after it, so single-contribution gradients may be rounded in the backward.
@@ -233,6 +243,7 @@ class DeterministicStrategy(DDPStrategy):
         # are decided at once)
         return det_function_mode(strict=self.strict, loss_reduce=global_loss_reduce, state=state)
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # value checks of the step's inputs wait for optimizer_step instead of synchronizing the
         # host in the forward (the step state's checks, lightning_det.ops.deferred_checks)
@@ -246,17 +257,20 @@ class DeterministicStrategy(DDPStrategy):
             self.step_state.checks.resolve()  # manual optimization: the step's own optimizer_step calls resolved theirs
         return out
 
+    @override
     def backward(self, closure_loss, optimizer, *args: Any, **kwargs: Any):
         # every micro-batch's backward, manual_backward too: a global loss back-propagated here
         # marks the step state (lightning_det.parallel.loss)
         with StepStateMode(self.step_state):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._function_mode(None):
             return super().validation_step(*args, **kwargs)
 
     # ---- logging -------------------------------------------------------------------------
+    @override
     def reduce(self, tensor, group=None, reduce_op="mean"):
         if not isinstance(tensor, torch.Tensor):
             return tensor
@@ -271,6 +285,7 @@ class DeterministicStrategy(DDPStrategy):
         return "verified" if self.det_verified else "unverified"
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry) -> None:
         for name, start_method in (("det_ddp", "popen"), ("det_ddp_spawn", "spawn")):
             strategy_registry.register(

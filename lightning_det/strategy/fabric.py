@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+from typing_extensions import override
 
 from ..nn.grad_digits import set_grad_digits
 from ..nn.step_state import StepState, StepStateMode
@@ -47,6 +48,7 @@ class FabricDeterministicStrategy(FabricDDPStrategy):
             self.det_last_sync = sync_gradients(params, self.step_state, scale_exp=scale)
             self._synced = True
 
+    @override
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         set_grad_digits(module, self.step_state)
         if dist.is_available() and dist.is_initialized() and self.world_size > 1:
@@ -65,11 +67,13 @@ class FabricDeterministicStrategy(FabricDDPStrategy):
 
         return contextlib.nullcontext()  # nothing is communicated during backward anyway
 
+    @override
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
         self._sync(optimizer)
         self._synced = False
         return super().optimizer_step(optimizer, **kwargs)
 
+    @override
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
         if float(norm_type) != 2.0:
             raise ValueError(f"norm_type: det_ddp clips exactly with the 2-norm only, got {norm_type}")
@@ -77,12 +81,14 @@ class FabricDeterministicStrategy(FabricDDPStrategy):
         params = [p for g in optimizer.param_groups for p in g["params"]]
         return torch.tensor(clip_grad_norm_exact_(params, float(max_norm)))
 
+    @override
     def all_reduce(self, tensor, group=None, reduce_op="mean"):
         if isinstance(tensor, torch.Tensor):
             return exact_reduce(tensor, group=group, reduce_op=str(reduce_op) if reduce_op is not None else "mean")
         return tensor
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry) -> None:
         for name, start_method in (("det_ddp", "popen"), ("det_ddp_spawn", "spawn")):
             strategy_registry.register(name, cls, description=f"exact world-size invariant DDP ({start_method})",
