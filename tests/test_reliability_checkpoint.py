@@ -153,6 +153,7 @@ def test_atomic_write_keeps_the_previous_file_when_interrupted(tmp_path):
     assert target.read_bytes() == b"new bytes"
 
 
+@pytest.mark.slow
 def test_kill_9_inside_a_save_at_world_size_2_then_resume_bitwise(tmp_path):
     """Rank 0 SIGKILLs itself inside the save of s4.ckpt (temp written, not yet renamed); the run
     resumes from s2.ckpt and ends with the uninterrupted run's weights and digests."""
