@@ -300,8 +300,9 @@ class DigestCallback(Callback):
         self._module = pl_module
         self._trainer = trainer
         if self._resumed_from is None and self.path.exists() and self.path.stat().st_size:
-            warnings.warn(f"DigestCallback: {self.path} already holds a run; this fresh run appends to it and "
-                          "`lightning-det diff` will take the latest record of each step. Use a new dirpath per run.",
+            warnings.warn(f"DigestCallback: {self.path} already holds a run; this fresh run appends to it, and "
+                          "`lightning-det diff`/`report` will then refuse the file unless --run-a/--run-b/--run "
+                          "selects one of its runs. Use a new dirpath per run.",
                           RuntimeWarning, stacklevel=2)
         header = self._header(trainer, pl_module)
         self._label = header["verified"]

@@ -46,7 +46,7 @@ def _problem(entry: str, problem: str) -> dict:
     return {"entry": entry, "problem": problem}
 
 
-def _crc_problems(f: BinaryIO, zf: zipfile.ZipFile) -> list[dict]:
+def _crc_problems(zf: zipfile.ZipFile) -> list[dict]:
     out = []
     for info in zf.infolist():
         try:
@@ -145,7 +145,7 @@ def check_container(path: str | os.PathLike) -> list[dict]:
             layout = _layout_problems(f, zf, size)
         except struct.error:
             layout = [_problem("zip structure", "a header runs past the end of the file")]
-        return _crc_problems(f, zf) + layout
+        return _crc_problems(zf) + layout
 
 
 def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu", weights_only: bool | None = None) -> dict:
