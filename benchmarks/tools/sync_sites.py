@@ -1,15 +1,15 @@
 """Where the det_ddp step makes the host wait for the GPU: every synchronizing CUDA call of one
 Lightning step, with the Python line that asked for it.
 
-    python benchmarks/sync_sites.py --out sync.json          # CUDA only
+    python benchmarks/tools/sync_sites.py --out sync.json          # CUDA only
 
 A host synchronization drains the GPU's queue; the host then has to launch the next kernels while
 the GPU idles, so a step with many of them is host-bound even when its GPU work is far shorter
-than its wall time (NOTES "Session 17"). This runs ddp_step.py's model (width 1024, batch 4096)
+than its wall time. This runs ddp_step.py's model (width 1024, batch 4096)
 under DeterministicStrategy on one GPU, once per slice-plan mode (its gemm_plans: "sync", each
 GEMM reads its plan; "cached", guessed plans, lightning_det.ops.slices_guess; "default", the
-strategy's "auto": cached on CUDA since session 18), and during step 4 turns
-on torch.cuda.set_sync_debug_mode("warn"): PyTorch then warns at each synchronizing call it
+strategy's "auto": cached on CUDA), and during step 4 turns on
+torch.cuda.set_sync_debug_mode("warn"): PyTorch then warns at each synchronizing call it
 makes (copies to the host, .item(), .tolist(), torch.unique, nonzero, ...), and each warning's
 stack is recorded. A raw cudaMemcpy in an extension would not be seen; ours go through PyTorch.
 Prints one line per site (count, the innermost lightning_det frame, the outermost model frame).
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+BENCH = Path(__file__).resolve().parents[1]  # benchmarks/: _common
+sys.path.insert(0, str(BENCH.parent))
+sys.path.insert(0, str(BENCH))
 
 
 def _site(stack) -> str:

@@ -2,9 +2,9 @@
 slices route at 4096^3 on random normal data. Not a benchmark (benchmarks/gemm.py is): it names
 the kernels that the timings of gemm.py add up.
 
-    python3 benchmarks/profile_slices.py --out benchmarks/results/h200-slices-profile.json
-    python3 benchmarks/profile_slices.py --gemm-path slices_crt --out /tmp/crt-profile.json
-    python3 benchmarks/profile_slices.py --linear 8192,1024,4096 --out /tmp/linear-profile.json
+    python3 benchmarks/tools/profile_slices.py --out /tmp/slices-profile.json
+    python3 benchmarks/tools/profile_slices.py --gemm-path slices_crt --out /tmp/crt-profile.json
+    python3 benchmarks/tools/profile_slices.py --linear 8192,1024,4096 --out /tmp/linear-profile.json
 
 --linear TOKENS,IN,OUT profiles one DetLinear forward + backward (benchmarks/linear.py's timed
 call: three GEMMs, the bias sums, the operand copies) instead of one det_gemm call, and records
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common, linear
 from _common import header  # noqa: E402
 from lightning_det.ops import det_gemm, gemm_path, last_slices_plan, slices_guess  # noqa: E402
 

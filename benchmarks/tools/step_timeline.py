@@ -1,6 +1,6 @@
 """Where a det_ddp training step on one GPU leaves the GPU idle, and what the host does meanwhile.
 
-    python benchmarks/step_timeline.py --out benchmarks/results/logs/h200-ddp_step-timeline.json
+    python benchmarks/tools/step_timeline.py --out /tmp/timeline.json     # CUDA only
 
 The model is benchmarks/ddp_step.py's (embedding, LayerNorm, MLP, LayerNorm, head). Steps 10-12
 run under torch.profiler. Per step (the span of Lightning's Optimizer.step, which holds the
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+BENCH = Path(__file__).resolve().parents[1]  # benchmarks/: _common
+sys.path.insert(0, str(BENCH.parent))
+sys.path.insert(0, str(BENCH))
 
 PROFILED = (10, 13)  # global steps [first, end)
 MIN_GAP_US = 20
@@ -73,8 +73,8 @@ def analyse(events) -> dict:
     steps, gaps = [], []
     for t0, t1 in sorted((e.time_range.start, e.time_range.end) for e in cpu if e.name.startswith("Optimizer.step")):
         # work queued in the step runs to its end: once the host runs ahead of the GPU, the
-        # kernels of the step's last ops end after Optimizer.step has returned (session 19: a
-        # clipped window reported 10.8 ms busy against 13.4 ms of kernels a step)
+        # kernels of the step's last ops end after Optimizer.step has returned, and a window
+        # clipped there would under-count the step's busy time
         spans = [(max(s, t0), e) for s, e in work if e > t0 and s < t1]
         if not spans:
             continue

@@ -1,14 +1,14 @@
 """Host work per exact GEMM and per training step, counted: the aten ops each ldet op issues.
 
-    python benchmarks/host_ops.py                  # CPU
-    python benchmarks/host_ops.py --device cuda    # the GPU's routes (cuBLASLt GEMMs are no aten op)
+    python benchmarks/tools/host_ops.py                  # CPU
+    python benchmarks/tools/host_ops.py --device cuda    # the GPU's routes (cuBLASLt GEMMs are no aten op)
 
-Why counts, not times: the det_ddp step on one GPU is host-bound (NOTES "Session 9"), and each
-aten op costs the host a few microseconds whatever the machine, so the counts say where host
-time goes without a timed run. Reported: the aten ops directly under one slices det_gemm (one
+Why counts, not times: a det_ddp step on one GPU can be host-bound, and each aten op costs the
+host a few microseconds whatever the machine, so the counts say where host time goes without a
+timed run. Reported: the aten ops directly under one slices det_gemm (one
 N-chunk, and several), and the ops of one forward + backward of benchmarks/ddp_step.py's model
-grouped by the op or autograd function that issued them. Writes
-benchmarks/results/<device>-host_ops.json.
+grouped by the op or autograd function that issued them. Prints them; --out also writes them as
+JSON.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+BENCH = Path(__file__).resolve().parents[1]  # benchmarks/: _common
+sys.path.insert(0, str(BENCH.parent))
+sys.path.insert(0, str(BENCH))
 
 
 def issuer(event) -> str | None:
@@ -103,8 +103,8 @@ def main(argv=None):
         print(f"det_gemm {r['shape']}{' (1 MiB chunks)' if 'chunk_mib' in r else ''}: "
               f"{r['aten_ops_under_ldet_gemm']} aten ops {r['by_name']}")
     print(f"forward + backward: {step['aten_ops']} aten ops; by issuer {step['by_issuer']}")
-    path = write("host_ops", a.device, rows, extra={"step": step}, path=a.out)
-    print(f"wrote {path}")
+    if a.out:
+        print(f"wrote {write('host_ops', a.device, rows, extra={'step': step}, path=a.out)}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """One det_gemm call to look at under a profiler (Nsight Compute), after a warm-up call.
 
     ncu --clock-control none --kernel-name regex:gemm_kernel --launch-skip 1 --launch-count 1 \
-        --set full -o gemm python3 benchmarks/profile_gemm.py --n 4096 --dtype bf16
+        --set full -o gemm python3 benchmarks/tools/profile_gemm.py --n 4096 --dtype bf16
 
 Not a benchmark (benchmarks/gemm.py is): it only makes the kernel run, on random normal data.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_det.ops import det_gemm  # noqa: E402
 
 
