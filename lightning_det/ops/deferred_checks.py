@@ -3,7 +3,7 @@
 Some argument checks depend on tensor values (cross-entropy targets inside [0, C)). Reading the
 verdict at once synchronizes the host with the GPU: everything queued before it must finish, and
 the GPU then idles while the host queues what follows. In a training step whose forward is
-host-bound that costs more than the check (NOTES "Session 17"). Inside :func:`deferring_checks`
+host-bound that costs more than the check. Inside :func:`deferring_checks`
 such a check records its device-side values instead (an asynchronous copy into pinned host
 memory behind a CUDA event), and the owner resolves them at a point where the host would wait
 anyway or before anything irreversible happens: det_ddp does it after the step's backward is
