@@ -5,6 +5,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import time
@@ -12,11 +13,13 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# LDET_RESULTS_DIR puts the results files elsewhere under the same names (gpu_suite.sh: under
+# $OUT, the folder a lent device machine sends back)
+RESULTS = Path(os.environ.get("LDET_RESULTS_DIR") or Path(__file__).resolve().parent / "results")
 
 
 def step_model(width: int) -> torch.nn.Sequential:
-    """The det_ddp step benchmarks' model (ddp_step.py, step_timeline.py, host_ops.py): token
+    """The det_ddp step benchmarks' model (ddp_step.py, tools/step_timeline.py, tools/host_ops.py): token
     embedding (vocabulary 512), LayerNorm, MLP (width -> 4 width -> width, GELU), LayerNorm, head
     to 512 classes; plain nn modules, seeded, for det_transform or plain DDP."""
     from torch import nn
@@ -28,7 +31,7 @@ def step_model(width: int) -> torch.nn.Sequential:
 
 
 def det_step_module(width: int):
-    """The det_ddp step benchmarks' LightningModule (step_timeline.py, step_layers.py):
+    """The det_ddp step benchmarks' LightningModule (tools/step_timeline.py, tools/sync_sites.py):
     step_model(width) det_transform'ed, global_mean of the per-token cross-entropy, SGD."""
     import lightning as L
     import torch.nn.functional as F
@@ -97,13 +100,27 @@ def device_name(device: str) -> str:
 
 
 def device_slug(device: str) -> str:
-    if device == "cuda":
-        name = torch.cuda.get_device_name(0).lower()
-        for key in ("h100", "h200", "a100", "l4"):
-            if key in name:
-                return key
-        return "cuda"
-    return "cpu"
+    """The <device> of a results file's name: "cpu", or the GPU's model as letters then digits
+    ("NVIDIA H200" -> "h200", "NVIDIA A100-SXM4-80GB" -> "a100"), else its whole name lowercased
+    with "-" between words. The machine's size (GPU count, CPU threads) is inside the file, not in
+    its name: the next run on that kind of device overwrites it."""
+    if device == "cpu":
+        return "cpu"
+    if device != "cuda":
+        raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
+    return gpu_slug(torch.cuda.get_device_name(0))
+
+
+def gpu_slug(name: str) -> str:
+    words = re.sub(r"[^a-z0-9]+", " ", name.lower()).split()
+    model = next((w for w in words if re.fullmatch(r"[a-z]+[0-9]+[a-z]*", w)), None)
+    return model or "-".join(w for w in words if w != "nvidia") or "cuda"
+
+
+def results_path(name: str, device: str) -> Path:
+    """benchmarks/results/<device slug>-<name>.json: the one results file of benchmark ``name``
+    on this kind of device."""
+    return RESULTS / f"{device_slug(device)}-{name}.json"
 
 
 def commit() -> str:
@@ -158,7 +175,7 @@ def header(device: str) -> dict:
 
 def write(name: str, device: str, rows: list, extra: dict | None = None, path: str | Path | None = None) -> Path:
     """Header + rows as JSON at ``path``, default benchmarks/results/<device slug>-<name>.json."""
-    out = Path(path) if path else RESULTS / f"{device_slug(device)}-{name}.json"
+    out = Path(path) if path else results_path(name, device)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = header(device)
     if extra:

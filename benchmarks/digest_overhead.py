@@ -7,7 +7,7 @@ Also reports the raw digest throughput over all parameters.
   python benchmarks/digest_overhead.py --device cpu          # small model (CI machine)
   python benchmarks/digest_overhead.py --device cuda         # >= 50M parameters (goal: < 3%)
 
-Writes benchmarks/results/<device>-digest.json.
+Writes benchmarks/results/<device>-digest_overhead.json (or --out).
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import datetime
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -26,12 +25,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
+from _common import results_path  # noqa: E402
 
 from lightning_det.callbacks import DigestCallback  # noqa: E402
 from lightning_det.digest import digest_many  # noqa: E402
@@ -122,6 +123,7 @@ def main() -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None, help="results path (default benchmarks/results/<device>-digest_overhead.json)")
     a = p.parse_args()
     if a.device == "cuda":
         # 50.3M and 56.6M parameters; batches large enough for a realistic step (tens of ms).
@@ -142,8 +144,8 @@ def main() -> None:
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
            "method": "median wall time between consecutive batch starts, after warm-up, runs with and without "
                      "DigestCallback alternated", "rows": rows}
-    tag = "cpu" if a.device == "cpu" else re.sub(r"[^a-z0-9]+", "-", dev.lower()).strip("-")
-    path = ROOT / "benchmarks" / "results" / f"{tag}-digest.json"
+    path = Path(a.out) if a.out else results_path("digest_overhead", a.device)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))
     print(f"wrote {path}")

@@ -195,8 +195,8 @@ def main(argv=None):
         for kind in kinds:
             for x, w, source in cases(kind, n, n, n, layers):
                 for dt in dtypes or DTYPES[kind]:
-                    # the shared 2-core CPU's timings move by 20-40% from one repeat to the next
-                    # (NOTES, session 15): more repeats there, whose median holds still
+                    # a shared 2-core CPU's timings move by 20-40% from one repeat to the next:
+                    # more repeats there, whose median holds still
                     rows.append(bench(args.device, x, w, dt, kind, source, repeat=3 if gpu else 15,
                                       timed_routes=timed_routes))
     out = write("gemm", args.device, rows, extra=extra, path=args.out)

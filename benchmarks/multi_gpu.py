@@ -1,16 +1,19 @@
-"""Issue 8, items 1, 2 and 4: examples/gpt_char.py under det_ddp at several world sizes (same global
+"""World-size and accumulation invariance over NCCL (gloo on CPU): examples/gpt_char.py under det_ddp at several world sizes (same global
 batch), with accumulation, and plain ddp as the control; digests compared with `lightning-det diff`;
 step time, peak memory and the gradient all-reduce per run.
 
     python benchmarks/multi_gpu.py --accelerator cuda --out $OUT/multi_gpu     # 1, 2, 4, 8 GPUs (as present)
     python benchmarks/multi_gpu.py --accelerator cpu                           # 1, 2 gloo processes
 
+--out is the working folder of the runs (default: a new temporary folder); the results file is
+--results (default benchmarks/results/<device>-multi_gpu.json).
+
 Runs (each a subprocess of this file with a clean environment and a timeout; Lightning's own
 launcher starts the other ranks, NCCL on CUDA, gloo on CPU):
 
-  det-wsN        det_ddp, N processes, global batch B (B/N per rank), DigestCallback     (item 1)
+  det-wsN        det_ddp, N processes, global batch B (B/N per rank), DigestCallback     (sharding)
   ddp-wsN        Lightning's ddp (nn.Linear + F.scaled_dot_product_attention), the same  (control)
-  det-wsA-accK   det_ddp at world size A with accumulate_grad_batches=K                  (item 2)
+  det-wsA-accK   det_ddp at world size A with accumulate_grad_batches=K                  (accumulation)
 
 A (``--accum-world-size``) defaults to the largest world size at which B / (A * K) is a whole
 number, so accumulation is checked together with sharding (B=16 with 1, 2, 4, 8 GPUs: A=4).
@@ -36,9 +39,9 @@ collectives alone (CUDA-synchronized around each torch.distributed.all_reduce is
 the sync; plain ddp's bucketed all-reduce runs inside DDP's C++ reducer, overlapped with the
 backward, and is not timed: benchmarks/nccl_kshard.py times an fp32 all-reduce of the same size).
 
-Writes <out>/summary.json (benchmarks/_common.write), <out>/summary.md, per-run folders
-<out>/<run>/{digests/, metrics-rank*.json, log.txt}; the summary is rewritten after every run, so
-a command stopped by a time limit leaves what it finished. Exit status 0 when every det_ddp pair
+Writes the results file (benchmarks/_common.write) and per-run folders
+<out>/<run>/{digests/, metrics-rank*.json, log.txt}, and prints the summary table; the results
+file is rewritten after every run, so a command stopped by a time limit leaves what it finished. Exit status 0 when every det_ddp pair
 is identical (accumulation: all but the loss) and the control differs; 1 otherwise.
 """
 from __future__ import annotations
@@ -49,6 +52,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -174,7 +178,7 @@ def child(run_dir: Path, gpt_argv: list) -> None:
 # ---- the parent ------------------------------------------------------------------------------
 def child_env(accelerator: str) -> dict:
     """A clean environment: no inherited torch/Lightning/pytest state; what CUDA, NCCL and the
-    GPU image's OpenMPI need is kept (Lightning imports mpi4py there: benchmarks/NOTES.md, GPU run 2)."""
+    GPU image's OpenMPI need is kept (Lightning imports mpi4py where it is installed)."""
     keep = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "USER", "LD_LIBRARY_PATH", "LIGHTNING_DET_BUILD_DIR",
             "LIGHTNING_DET_NO_CUDA", "LDET_COMMIT", "CUDA_HOME", "CUDA_PATH", "CUDA_VISIBLE_DEVICES",
             "TORCH_CUDA_ARCH_LIST", "MAX_JOBS", "CC", "CXX", "TORCH_EXTENSIONS_DIR")
@@ -182,8 +186,8 @@ def child_env(accelerator: str) -> dict:
     env.update({k: v for k, v in os.environ.items() if k.startswith(("OMPI_", "PMIX_", "OPAL_", "PRTE_", "NVIDIA_"))})
     env.update(PYTHONPATH=str(ROOT), PYTHONHASHSEED="0", PYTHONUNBUFFERED="1",
                OMP_NUM_THREADS="1" if accelerator == "cpu" else "2",
-               # NVLink multicast stays off for both strategies (the GPU hosts require it: their
-               # KINDS notes; det_ddp would set the NCCL one itself, the ddp control would not)
+               # NVLink multicast stays off for both strategies (some multi-GPU hosts require it;
+               # det_ddp would set the NCCL one itself, the ddp control would not)
                NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     return env
 
@@ -338,15 +342,16 @@ def main(argv=None) -> int:
     p.add_argument("--world-sizes", help="comma list (default: 1,2,4,8 up to the GPUs present on cuda; 1,2 on cpu)")
     p.add_argument("--steps", type=int, help="optimizer steps per run (default 200 on cuda, 8 on cpu)")
     p.add_argument("--batch-size", type=int, default=16, help="GLOBAL batch, the same in every run")
-    p.add_argument("--accum", default="1,4", help="accumulate_grad_batches values for item 2 (1 = det-wsA itself)")
+    p.add_argument("--accum", default="1,4", help="accumulate_grad_batches values of the accumulation runs (1 = det-wsA itself)")
     p.add_argument("--accum-world-size", type=int,
                    help="world size A of the accumulation runs (default: the largest one where batch/(A*K) is whole)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="results folder (default benchmarks/results/multi_gpu-<device slug>)")
+    p.add_argument("--out", help="working folder of the runs: digests, metrics, logs (default: a new temporary folder)")
+    p.add_argument("--results", help="results file (default benchmarks/results/<device>-multi_gpu.json)")
     p.add_argument("--run-timeout", type=float, default=420, help="seconds per run")
     p.add_argument("--budget-s", type=float, default=0,
-                   help="stop starting runs when this many seconds have passed (0: none); the GPU session's "
-                        "commands have a 600 s limit, so leave margin (e.g. 560)")
+                   help="stop starting runs when this many seconds have passed (0: none); under a limit on "
+                        "the command's time, leave margin (e.g. 560 for 600 s)")
     p.add_argument("--jobs", type=int, default=1,
                    help="runs at a time (1 for timings; more only to save wall time in CPU tests)")
     p.add_argument("--gpt-args", default="", help="extra examples/gpt_char.py arguments, one string (model size etc.)")
@@ -354,7 +359,7 @@ def main(argv=None) -> int:
     args.gpt_args = args.gpt_args.split()
 
     import torch
-    from _common import device_slug, write
+    from _common import results_path, write
 
     if args.accelerator == "cuda":
         if not torch.cuda.is_available():
@@ -380,8 +385,9 @@ def main(argv=None) -> int:
     if accum_ws not in world_sizes:
         p.error(f"--accum-world-size {accum_ws} must be one of --world-sizes {world_sizes}")
     args.steps = args.steps or (200 if args.accelerator == "cuda" else 8)
-    out = Path(args.out) if args.out else HERE / "results" / f"multi_gpu-{device_slug(args.accelerator)}"
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="multi_gpu-"))
     out.mkdir(parents=True, exist_ok=True)
+    results = Path(args.results) if args.results else results_path("multi_gpu", args.accelerator)
     t_start = time.monotonic()
     deadline = t_start + (args.budget_s or 1e9)
 
@@ -407,12 +413,10 @@ def main(argv=None) -> int:
         verdict = {"det_identical": det_ok, "control_differs": control_differs, "pass": ok,
                    "complete": len(rows_now) == len(specs), "elapsed_s": round(time.monotonic() - t_start, 1)}
         ordered = [rows_now[s[0]] for s in specs if s[0] in rows_now]
-        write("multi_gpu", args.accelerator, ordered, path=out / "summary.json",
+        write("multi_gpu", args.accelerator, ordered, path=results,
               extra={"config": config, "comparisons": comps, "verdict": verdict})
         head = (f"multi_gpu ({args.accelerator}, {config['backend']}): global batch {args.batch_size}, "
                 f"{args.steps} steps, world sizes {world_sizes}, accum {accum} at world size {accum_ws}")
-        (out / "summary.md").write_text(table(ordered, comps, "# " + head) + "\n\nCommands: "
-                                        + "; ".join(c["cli"] for c in comps) + "\n")
         return comps, verdict, ordered, head
 
     def one(spec):
@@ -434,7 +438,7 @@ def main(argv=None) -> int:
         print(f"\n$ {c['cli']}\n{c.get('text', '')}")
     print()
     print(table(ordered, comps, head))
-    print(f"\nwrote {out / 'summary.json'} and {out / 'summary.md'}")
+    print(f"\nwrote {results}; the runs are in {out}")
     print(f"multi_gpu {'PASS' if verdict['pass'] else 'FAIL'}: det_ddp identical across world sizes and accumulation: "
           f"{verdict['det_identical']}; ddp control differs: {verdict['control_differs']}; "
           f"all runs finished: {verdict['complete'] and all(r['status'] == 'ok' for r in ordered)}")

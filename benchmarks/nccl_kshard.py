@@ -1,4 +1,4 @@
-"""Issue 8, item 3: a K-sharded exact GEMM reduced across processes equals the one-process GEMM.
+"""A K-sharded exact GEMM reduced across processes equals the one-process GEMM.
 
     torchrun --standalone --nproc-per-node 8 benchmarks/nccl_kshard.py --out $OUT/nccl_kshard.json   # NCCL
     torchrun --standalone --nproc-per-node 2 benchmarks/nccl_kshard.py --device cpu                  # gloo
@@ -24,7 +24,7 @@ element), det_all_reduce_windowed (bytes per element as it reports), and an fp32
 same element count (4 bytes per element, what plain DDP sends).
 
 Rank 0 prints one PASS/FAIL line last and writes JSON (--out, default
-benchmarks/results/<device slug>-nccl_kshard-ws<N>.json). Exit status 0 on PASS on every rank.
+benchmarks/results/<device>-nccl_kshard.json, its world size inside). Exit status 0 on PASS on every rank.
 """
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
     p.add_argument("--time-elements", type=int, help="all-reduce timing payload (default 4M on cuda, 64k on cpu)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--out", help="JSON path (default benchmarks/results/<slug>-nccl_kshard-ws<N>.json)")
+    p.add_argument("--out", help="JSON path (default benchmarks/results/<device>-nccl_kshard.json)")
     args = p.parse_args(argv)
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     args.m = args.m or (256 if use_cuda else 16)
@@ -202,12 +202,11 @@ def main(argv=None) -> int:
         dist.all_gather_object(oks, ok)
         ok = all(oks)
         if rank == 0:
-            from _common import device_slug, write
+            from _common import write
 
             dev = "cuda" if use_cuda else "cpu"
             backend = "nccl" if use_cuda else "gloo"
-            out = args.out or HERE / "results" / f"{device_slug(dev)}-nccl_kshard-ws{world}.json"
-            path = write("nccl_kshard", dev, results, path=out,
+            path = write("nccl_kshard", dev, results, path=args.out,
                          extra={"world_size": world, "backend": backend, "timing": timing, "pass": ok,
                                 "ranks_pass": oks})
             for r in results:

@@ -7,7 +7,8 @@ For each device: one optimizer step over a model-like list of 8 tensors (same sh
 gradients for every row), median of --repeats timed steps after --warmup steps. Ratios are
 against torch.optim.AdamW(fused=True) on fp32 parameters in the same run (foreach=True where
 fused is not available on that device, said in the row). Writes
-benchmarks/results/<device>-optim.json per device.
+benchmarks/results/<device>-optim.json per device (benchmarks/_common.results_path; --out DIR
+writes DIR/<device>-optim.json instead).
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import datetime
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -27,11 +27,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _common import results_path  # noqa: E402
+
 from lightning_det.optim import AdamWSR  # noqa: E402
-
-
-def _slug(s: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", s.lower()).strip("-")
 
 
 def _cpu_name() -> str:
@@ -163,7 +162,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, default=0,
                     help="CPU threads (torch.set_num_threads); 0 keeps torch's default")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -172,8 +171,9 @@ def main() -> None:
             print("cuda: no GPU here, skipped")
             continue
         res = bench_device(dev, args.cpu_params if dev == "cpu" else args.cuda_params, args.warmup, args.repeats)
-        slug = _slug(torch.cuda.get_device_name()) if dev == "cuda" else "cpu-" + _slug(_cpu_name())
-        path = Path(args.out) / f"{slug}-optim.json"
+        path = results_path("optim", dev)
+        if args.out:
+            path = Path(args.out) / path.name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(res, indent=2) + "\n")
         print(f"{res['device']}  torch {res['torch']}  {res['params'] / 1e6:.1f}M params  -> {path}")

@@ -3,7 +3,7 @@
 //
 // Why fused ops: the same steps as eager PyTorch ops (max, subtract, exp, row sums, gather,
 // where, division, ...) were ~27 ops a step around the exact sums, each with its dispatch,
-// allocation and launch, in a det_ddp step bound by its host time (benchmarks/NOTES.md).
+// allocation and launch, in a det_ddp step bound by its host time.
 #pragma once
 
 #include <cstdint>

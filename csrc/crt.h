@@ -6,8 +6,8 @@
 // bits (Sx + Sw) - 4. Its remainders modulo Q pairwise coprime moduli m_t <= 2^bits determine it
 // once prod m_t > 2^(B+1): Q int8 GEMMs of the remainder planes r_t(X) . r_t(W), each exact in int32
 // while K 2^(2 bits - 2) < 2^31, give P mod m_t, and the explicit CRT reconstruction gives P.
-// For fp32 at S = 5, K = 4096 and 8-bit digits: 12 GEMMs instead of 25 (benchmarks/NOTES.md,
-// session 11, has the costs; the reconstruction is O(Q) multiply-adds per output).
+// For fp32 at S = 5, K = 4096 and 8-bit digits: 12 GEMMs instead of 25 (the reconstruction is
+// O(Q) multiply-adds per output).
 //
 // Remainders are symmetric, r in [-2^(bits-1), 2^(bits-1)): the same int8 range the balanced digits
 // use, so the same int8 GEMM stays exact (bits = 7 where it could saturate 16-bit pair sums).
@@ -238,7 +238,7 @@ LDET_HD i128 crt_from_sum(u128 S, double f, u128 M) {
 // below Q M, and S / M = sum_t y_t / m_t. So P = S - k M with k the integer nearest that sum:
 // estimated in fp64 (error below Q 2^-50, far under 1/2), then the exact 128-bit fix-up moves the
 // result into [-M/2, M/2), where |P| < M/2 lies (crt_moduli_needed). O(Q) work per output, where
-// Garner's mixed radix took Q^2/2 dependent remainders (NOTES, session 11).
+// Garner's mixed radix takes Q^2/2 dependent remainders.
 LDET_HD i128 crt_value(const int32_t* c, int64_t pstride, const CrtConsts& t) {
   u128 S = 0;
   double f = 0.0;
@@ -259,7 +259,7 @@ LDET_HD i128 crt_value(const int32_t* c, int64_t pstride, const CrtConsts& t) {
 // The same remainders and the same P as crt_remainder / crt_value, in fp64 arithmetic that is exact
 // where it has to be, in loops over consecutive elements (outputs) that the compiler turns into
 // AVX-512: through the scalar forms (32-bit Barrett steps, dp4a emulated byte by byte, 128-bit
-// multiply-adds) the CPU's CRT way ran at a third of its diagonals' speed (NOTES, session 12).
+// multiply-adds) the CPU's CRT way ran at a third of its diagonals' speed.
 //
 // Floor division in fp64: for an integer a with |a| < 2^46 and 2 < m <= 2^8,
 // floor(fl(a + 1/2) * fl(1/m)) = floor((a + 1/2) / m) = floor(a / m): a + 1/2 is exact, the

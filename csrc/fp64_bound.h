@@ -3,8 +3,8 @@
 //
 // Why: exactness only has to reach the one rounding. For fp32 operands the integer slices need
 // 25 int8 GEMMs (int_slices.h), 7.5 of the det_ddp step's 12.6 ms of GPU work, where one fp64
-// GEMM of the widened operands costs about what an fp32 GEMM does (cuBLAS DGEMM 55-64 TFLOP/s
-// on the H100/H200 against 51 for SGEMM). What it returns is not exact, but how far it can be
+// GEMM of the widened operands costs about what an fp32 GEMM does on a GPU whose fp64 tensor
+// cores match its fp32 rate (Hopper's do). What it returns is not exact, but how far it can be
 // from exact is known, and most outputs lie far from every rounding boundary.
 //
 // The proof. Every product of two fp32 / bf16 / fp16 values is exact in fp64 (at most 48

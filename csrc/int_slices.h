@@ -241,7 +241,7 @@ LDET_HD float round_int128_fmt(bool neg, u128 mag, int E, int fmt) {
 // 64-bit integer conversion (round-to-nearest-even; the sticky bit lies 39 bits below the
 // rounding bit, so it only breaks ties, as the dropped bits would); the scale then enters the
 // exponent field, exact for a normal result. The combine spent ~670 instructions an output, with
-// round_int128's shifts, branches and fp64 scaling among them (NOTES, session 19).
+// round_int128's shifts, branches and fp64 scaling among them.
 __device__ __forceinline__ bool round_u128_f32_normal(u128 mag, int E, float* out) {
   const uint64_t hi = uint64_t(mag >> 64), lo = uint64_t(mag);
   int s;  // leading zeros of mag

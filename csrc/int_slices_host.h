@@ -115,8 +115,8 @@ struct PendingSummary {
 
 // c (m, n) int32 with row stride ldc = a (m, k) . b (n, k)^T, a and b int8 row-major with row
 // strides lda, ldb (unit column stride). Raw pointers into the slices and diagonals: a slice GEMM
-// makes 9-27 of these, and three tensor views for each were most of its host-side aten ops (the
-// det_ddp step is host-bound: NOTES "Session 9").
+// makes 9-27 of these, and three tensor views for each were most of its host-side aten ops (in a
+// det_ddp step bound by its host time).
 struct Int8Gemm {
   const int8_t* a;
   int64_t lda;
@@ -172,12 +172,12 @@ struct SliceBackend {
   std::shared_ptr<PendingSummary> (*summary_later)(const at::Tensor& sums);
   int bits;          // digit width: 8, or 7 where the int8 GEMM could saturate 16-bit pair sums
   // Auto mode: M*N*K from which the slices beat the long-accumulator kernel, when an input is
-  // fp32 (the kernel then splits it into four products) and when both are bf16 / fp16. Measured
-  // (benchmarks/results/h200-gemm.json, cpu-gemm.json; NOTES "Session 6").
+  // fp32 (the kernel then splits it into four products) and when both are bf16 / fp16, as
+  // benchmarks/gemm.py measures the two routes on each device.
   int64_t min_work_fp32;
   int64_t min_work_16bit;
   // Cost of one residue term of the combine in int8 multiply-adds of the GEMMs: the host weighs
-  // a slice fewer against the residues it leaves (NOTES "Session 7").
+  // a slice fewer against the residues it leaves.
   double term_macs;
   // chunk_columns' rule for the int8 GEMM library: 0, or the most outputs a chunk may hold.
   int64_t chunk_max_outputs;
@@ -238,7 +238,7 @@ inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 // be narrower) for int32 diagonals (P, Mp, Nc) within cap_mib. max_outputs > 0 (CUDA): every chunk
 // Nc = 8 (mod 16) wide with Mp * Nc <= max_outputs, padding w's slices with zero rows: cuBLASLt
 // then runs its sm90 int8 kernels, where multiples of 16 get its sm80 ones (~0.8x) and wider
-// chunks a slow sm80 one (~0.3x) (results/h200-chunk-scan.json; NOTES "Session 7").
+// chunks a slow sm80 one (~0.3x), as a scan of the chunk width on Hopper showed.
 inline std::pair<int64_t, int64_t> chunk_columns(int64_t N, int64_t Mp, int64_t P, int64_t cap_mib,
                                                  int64_t max_outputs) {
   const int64_t N8 = round_up(N, 8), per_col = std::max<int64_t>(1, P) * Mp * 4;
@@ -305,7 +305,7 @@ inline SlicePlan plan_slices(const int32_t* sx, const int32_t* sw, int64_t M, in
 // A training run repeats its GEMM shapes, so with cached guesses (the plans argument) a later call
 // with the same key takes the largest (Sx, Sw) planned from the last few summaries of that key,
 // and reads its own summary only at a later call. Not the default anywhere: the det_ddp step is
-// host-bound, and dropping its nine synchronizations left its time unchanged (NOTES "Session 9");
+// host-bound, and dropping its nine synchronizations left its time unchanged;
 // they are what a captured or run-ahead step needs first. Whatever the guess, the
 // bytes are the same: rows needing more slices than guessed are zero rows in the slices, listed
 // on the device, and their outputs recomputed by exact_rows; the 128-bit route's proof is
@@ -503,7 +503,7 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
     at::Tensor C = pooled_uninit({P, Mp, ncp}, x.options().dtype(at::kInt));
     int32_t* Cq = C.numel() ? C.data_ptr<int32_t>() : nullptr;
     if (Q > 0) {  // one int8 GEMM per modulus t: its planes at columns t * Kc, its sums at plane t
-      // (one strided-batched cuBLASLt call instead ran 2.2x slower: an sm80 kernel; NOTES, session 12)
+      // (one strided-batched cuBLASLt call instead ran 2.2x slower: cuBLASLt picks an sm80 kernel)
       for (int64_t t = 0; t < Q; ++t)
         be.int8_mm(Int8Gemm{xq + t * Kc, ldx, wq + n0 * ldw + t * Kc, ldw, Cq + t * Mp * ncp, ncp, Mp, ncp, Kc},
                    x.device());

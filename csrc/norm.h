@@ -3,7 +3,7 @@
 //
 // Why fused ops: the same arithmetic as eager PyTorch ops around the exact row sums was ~24 ops a
 // forward and ~18 a backward per norm (each a dispatch, an allocation, often a fill and a kernel
-// launch), in a det_ddp step whose host time bounds it (benchmarks/NOTES.md, sessions 9-17).
+// launch), in a det_ddp step whose host time bounds it.
 //
 // Each step below is one IEEE fp32 (or the stated fp64) operation, written out so that nothing is
 // contracted (the build passes -ffp-contract=off / -fmad=false) and nothing is reordered: the bytes

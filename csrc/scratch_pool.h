@@ -3,7 +3,7 @@
 // Why: a slice GEMM's int32 planes (Q or D x M x N) and int8 slices are tens of MB; glibc serves
 // allocations past its mmap threshold (32 MB at most) by mmap, so each call took a page fault and
 // a zeroed page from the kernel for every 4 KB it wrote: at fp32 1024 x 1024 x 256 (46 MB of
-// planes) the kernel's page-fault path took a quarter of the call (perf, session 15; NOTES).
+// planes) the kernel's page-fault path took a quarter of the call under perf.
 // CUDA's caching allocator already reuses its memory; this is the CPU's counterpart, per thread
 // (no locks; a slice GEMM never nests). A buffer is free when no tensor shares its storage.
 // Like uninit(): every element is written before it is read (each call site says why), so reuse

@@ -4,8 +4,8 @@
 // Why: under torch.use_deterministic_algorithms(True) (the strategy's strict environment) every
 // at::empty also fills its memory (NaN / the largest integer), so that a kernel reading memory it
 // never wrote stays deterministic. Each call site here says why nothing unwritten is read; the
-// fill cost the det_ddp step ~300 extra kernels a step on the GPU, and their launches on the
-// host-bound step's critical path (NOTES "Session 9"). at::detail::empty_cpu / empty_cuda are
+// fill cost the det_ddp step ~300 extra kernels a step on the GPU, and their launches sit on the
+// critical path of a step bound by its host time. at::detail::empty_cpu / empty_cuda are
 // the allocations at::empty makes before that fill (no dispatcher round trip either).
 #pragma once
 

@@ -5,8 +5,7 @@
 // Why: add_value puts every term into the 19-word digit array as three limbs at an index that
 // depends on the term's exponent. On the GPU that array lives in local memory (indexed at run
 // time), so each term cost three read-modify-writes there; the dot kernels took ~2 ms of the
-// det_ddp step. (Measured with the window: their per-thread kernel 1.24 -> 0.95 ms a step, so that
-// was not the whole cost; benchmarks/NOTES.md, session 10.) The terms of one sum mostly lie within
+// det_ddp step, and the window alone removed only about a quarter of that. The terms of one sum mostly lie within
 // a few dozen binades of each other, so they fit one 128-bit integer W in units of 2^(base - 298):
 //
 //   - the first finite nonzero term places the window: base = its unit shift - kWindowBelow

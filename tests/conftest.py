@@ -126,8 +126,8 @@ def clean_env(**extra) -> dict:
 
 def env_with_mpi() -> dict:
     """clean_env plus the OpenMPI/PMIx settings of the environment: Lightning imports mpi4py when
-    it is installed (the GPU machine's image has it), and MPI_Init fails in a child without them
-    (benchmarks/NOTES.md, GPU run 2)."""
+    it is installed (the GPU machine's image has it), and MPI_Init fails in a child without
+    them."""
     env = clean_env()
     env.update({k: v for k, v in os.environ.items()
                 if k.startswith(("OMPI_", "PMIX_", "OPAL_", "PRTE_")) or k == "LD_LIBRARY_PATH"})

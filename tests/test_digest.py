@@ -90,14 +90,14 @@ def test_shape_and_dtype_are_covered():
 
 def test_python_layer_handles_what_the_op_would_refuse():
     # The public functions make inputs contiguous before the op sees them, so users never reach
-    # the C++ guard (on the GPU image's torch 2.11 a C++ exception thrown from an extension op
-    # crashed the process: benchmarks/NOTES.md).
+    # the C++ guard (under torch 2.11 a C++ exception thrown from an extension op crashed the
+    # process).
     t = torch.randn(3, 4, generator=torch.Generator().manual_seed(3))
     assert tensor_digest(t.t()) == tensor_digest(t.t().contiguous())
 
 
 @pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
-                    reason="C++ exceptions from extension ops crash torch 2.11 on the GPU image (NOTES.md)")
+                    reason="C++ exceptions from extension ops crash the process under torch < 2.13")
 def test_op_argument_checks_name_the_argument():
     with pytest.raises(RuntimeError, match="`self` must be contiguous"):
         torch.ops.ldet.digest_chunks(torch.randn(3, 4).t())

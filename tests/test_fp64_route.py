@@ -89,8 +89,8 @@ def test_ties_and_zeros_are_certified_exact():
 
 def bf16_tie_operands(M, N, K, seed):
     """bf16 integers whose exact dot products (about 2^25-2^26) often lie halfway between two fp32
-    values, as the example model's bf16 activations and weights do (benchmarks/NOTES.md, session 21),
-    and the exact products as int64."""
+    values, as the example model's bf16 activations and weights often do, and the exact products
+    as int64."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(1, 256, (M, K), generator=g).to(torch.bfloat16)
     w = torch.randint(-64, 256, (N, K), generator=g).to(torch.bfloat16)

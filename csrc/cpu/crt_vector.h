@@ -3,7 +3,7 @@
 // its combine).
 //
 // Why: crt_values_fp64 plus the per-output 128-bit rounding (round_signed_int128) took ~40% of a
-// fp32 512^3 det_gemm on the 2-core CPU (perf, session 15; NOTES), more than its 11 int8 GEMMs:
+// fp32 512^3 det_gemm on a 2-core CPU under perf, more than its 11 int8 GEMMs:
 // the sums went through memory once per modulus, and every output then ran ~100 scalar 128-bit
 // instructions. Here each lane keeps its sums in registers across the moduli, and the rounding
 // is vector integer work plus one IEEE conversion. Same integers, same bytes:

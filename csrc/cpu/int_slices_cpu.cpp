@@ -510,19 +510,19 @@ const SliceBackend& slice_backend_cpu() {
                                &summary_later_cpu, probe_bits(),
                                // fp32 from 32^3; 16-bit inputs: with the AVX-512 forms the CRT way beats
                                // the kernel from ~128^3 (bf16 256^3 0.63 against 1.0 ms, 512^3 3.3 against
-                               // 5.5; a tie at 128^3: NOTES, session 15); without them the kernel stayed
+                               // 5.5; a tie at 128^3); without them the kernel stayed
                                // faster at every size measured (512^3 bf16: 8.6 ms against 16.6 ms)
                                int64_t(1) << 15, kCpuVectorForms ? int64_t(1) << 21 : std::numeric_limits<int64_t>::max(),
                                // a residue term: ~2 ns on one core, against ~300 G int8
-                               // multiply-adds a second on two (NOTES "Session 7")
+                               // multiply-adds a second on two
                                2000.0, 0,
                                // plans from this call's summaries: nothing to gain from guesses
                                false,
                                // the CRT route (crt.h): an output's reconstruction in int8 multiply-adds a
                                // modulus beyond the diagonals' combine. With the AVX-512 forms the CRT way
                                // took 0.26-0.45 of the diagonals' time on every shape measured, fp32 and
-                               // bf16, K = 64 included (NOTES, session 15): 0, fewer GEMMs decide. The fp64
-                               // loops' fit (session 12): fp32 CRT at 0.71-0.78 of the diagonals for K >=
+                               // bf16, K = 64 included: 0, fewer GEMMs decide. The fp64
+                               // loops' fit: fp32 CRT at 0.71-0.78 of the diagonals for K >=
                                // 256, 0.94 at K = 64; bf16 at 7 moduli for 9 pairs 0.95-1.13: 150
                                true, kCpuVectorForms ? 0.0 : 150.0};
   return be;

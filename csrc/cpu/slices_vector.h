@@ -3,8 +3,8 @@
 // scalar loops these replace where the build has AVX-512).
 //
 // Why: row_needs_cpu converted every element to fp64 and took exp_stat's 64-bit bit scans one
-// element at a time, twice: ~2.5 ms of a ~14 ms fp32 512^3 det_gemm on one core (perf, session 15;
-// NOTES). The same integers as the scalar loops, as the CUDA kernel computes them (its
+// element at a time, twice: ~2.5 ms of a ~14 ms fp32 512^3 det_gemm on one core under perf. The
+// same integers as the scalar loops, as the CUDA kernel computes them (its
 // row_needs_kernel): an element's top exponent and lowest set bit from its exponent field and the
 // leading / trailing zeros of its significand; per slice count s, the elements whose lowest set
 // bit lies below the s-slice window (lo_el < hi + 3 - bits s), which is what row_plan needs of the
@@ -108,7 +108,7 @@ inline bool row_stats_vec(const T* row, int64_t K, int bits, int* hi, int* lo, i
 // for odd m: (X + floor(m/2) + 1/2) / m - 1/2 = (X + c) / m, never within 1/(2m) of a
 // half-integer for odd m, and fl's error stays below 2^(46 - 7 - 52) = 2^-13: the rounding is
 // floor's. Why not the scalar loop: one pass in registers instead of one to split each X into two
-// doubles and one more per modulus over them (perf, session 15: ~0.5 of a torch.mm's time).
+// doubles and one more per modulus over them (under perf: ~0.5 of a torch.mm's time).
 // out[t * Kc + k] for t < Q, k < K; the residues (v not on the window's grid: v - X 2^-s, exact)
 // appended in order of k to ridx / rval when `residues`; returns their count.
 template <typename T>

@@ -1,9 +1,8 @@
 // Dense rows for the slicing kernels: the transposed views DetLinear's backward passes to
 // det_gemm (g^T and x^T of dW = g^T x, W^T of dX = g W) copied through shared-memory tiles.
 //
-// Why: at::Tensor::contiguous() of such a view ran PyTorch's generic strided copy, 421 us of
-// det_ddp's step on the H200 for ~220 MB of operands (one side of each copy uncoalesced), ~4x the
-// copy's memory floor (NOTES, session 19). A tile of 32 x 32 elements is read along the view's
+// Why: at::Tensor::contiguous() of such a view runs PyTorch's generic strided copy, which took
+// ~4x the copy's memory floor on det_ddp's step (one side of each copy uncoalesced). A tile of 32 x 32 elements is read along the view's
 // columns (the source's rows, coalesced) and written along its rows (coalesced). The bytes are the
 // elements' bit patterns moved unchanged, so the copy cannot differ from contiguous()'s.
 #include <ATen/ATen.h>

@@ -115,8 +115,8 @@ at::Tensor act_backward_cuda(const at::Tensor& grad, const at::Tensor& x, int64_
 }
 
 // Terms loaded before any is added: a thread of dot_partial_kernel kept one load in flight
-// while window_add's branches ran (0.39 waves at ~21% occupancy, stalls on L1TEX loads: NOTES,
-// session 11), so the kernel ran at a fraction of its memory floor.
+// while window_add's branches ran (under a fifth of a wave resident, stalls on L1TEX loads), so
+// the kernel ran at a fraction of its memory floor.
 constexpr int kDotLoadsInFlight = 8;
 
 // Sum over `len` elements starting at `base` with stride `step` (b == nullptr: ones). The terms
@@ -169,8 +169,8 @@ constexpr int kCombineOutputs = kThreads / LDET_WORDS;
 
 // Adds each output's nchunks partials word by word, then normalizes. One thread per (output,
 // word): a block's loads of one chunk are kCombineOutputs * 19 consecutive words (coalesced).
-// Session 10's version gave each thread one output's 19 * nchunks loads (1024 threads for a
-// LayerNorm's column sums, 1216 loads each: ~40% of the dot sums' GPU time; NOTES, session 11).
+// One thread per output instead gave each thread 19 * nchunks loads (1024 threads for a
+// LayerNorm's column sums, 1216 loads each: ~40% of the dot sums' GPU time).
 __global__ void dot_combine_kernel(const int64_t* __restrict__ partial, int64_t n, int64_t nchunks,
                                    int64_t* __restrict__ out) {
   __shared__ int64_t s[kCombineOutputs * LDET_WORDS];

@@ -14,7 +14,7 @@ __device__ __forceinline__ double wide(const __half* p, int64_t i) { return doub
 
 // An element's fp32 bit pattern (every bf16 and fp16 value is an fp32 value: bf16 is its upper
 // half, fp16 widens exactly). The slicing kernels work on it with 32-bit integer operations:
-// the GPU converts to and from fp64 at a quarter of its integer rate (session 13).
+// the GPU converts to and from fp64 at a quarter of its integer rate.
 __device__ __forceinline__ uint32_t f32_bits(float v) { return __float_as_uint(v); }
 __device__ __forceinline__ uint32_t f32_bits(__nv_bfloat16 v) { return uint32_t(__bfloat16_as_ushort(v)) << 16; }
 __device__ __forceinline__ uint32_t f32_bits(__half v) { return __float_as_uint(__half2float(v)); }

@@ -8,10 +8,10 @@
 // the list's capacity (adversarial data). No host synchronization: every count is read on the
 // device.
 //
-// Measured first version (session 20, call 1): a sweep of the whole output that recomputed each
-// mark with a compensated sum and carried the long accumulator's registers took 3.9 ms of the
-// det_ddp step, more than its fp64 GEMMs (3.5 ms); the decision 0.64 ms with the generic
-// rounding; widening and norms in separate passes 1.0 ms with PyTorch's fill of new buffers.
+// Why this shape: a sweep of the whole output that recomputed each mark with a compensated sum
+// and carried the long accumulator's registers cost a det_ddp step more than its fp64 GEMMs did;
+// the decision with the generic rounding, and widening and norms in separate passes with
+// PyTorch's fill of new buffers, each cost a large share of the GEMMs' time too.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -323,7 +323,7 @@ void fix_cuda(const at::Tensor& xa, const at::Tensor& wa, const at::Tensor& bias
                                                           out.data_ptr(), counts, lists.list2.data_ptr<int64_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     // a persistent grid: nearly always every block reads the count and returns (as many blocks as
-    // 32-output groups cost ~27 us a launch, 0.24 ms of the det_ddp step: session 20, call 2)
+    // 32-output groups cost ~27 us a launch, a few percent of a det_ddp step's GPU time)
     sweep_kernel<T><<<grid, kThreads, 0, stream>>>(
         px, xa.stride(0), pw, wa.stride(0), M, N, K, bp, ux.data_ptr<double>(), uw.data_ptr<double>(), fmt,
         out.data_ptr(), counts, lists.cap);
@@ -339,7 +339,7 @@ int64_t list_cap_cuda(int64_t outputs) { return outputs / 8 + 1024; }
 const Fp64Backend& fp64_backend_cuda() {
   static const Fp64Backend be{&widen_cuda, &fp64_gemm_cuda, &decide_cuda, &fix_cuda, &list_cap_cuda,
                               // rounded outputs with an fp32 operand from 2^30 multiply-adds
-                              // (benchmarks/NOTES.md, session 20; bf16/fp16 keep the slices)
+                              // (where it beat the slices on Hopper; bf16/fp16 keep the slices)
                               int64_t(1) << 30};
   return be;
 }

@@ -3,7 +3,7 @@
 //
 // Why: detmath.h's norm_cdf sums up to 43 fp64 series terms an element (a warp runs as many as
 // its slowest lane), so ldet::act / act_backward of det_ddp's 4096 x 4096 MLP activation took
-// ~0.5 ms each, ~7% of the step's GPU time (NOTES, session 19). CUDA's double normcdf and exp
+// ~7% of the step's GPU time. CUDA's double normcdf and exp
 // cost a few dozen fp64 operations.
 //
 // Why the bytes cannot change. Let v be the value computed here and s the series' fp64 value

@@ -1,6 +1,6 @@
 // CUDA exact GEMM (schemas: csrc/schema/gemm.cpp; algorithm: csrc/gemm_common.h).
 //
-// v4 structure (benchmarks/NOTES.md has the floor, the predictions and the measurements):
+// Structure:
 //   1. a statistics kernel: per (32-wide K-block, row) exponent bounds of x and of w, stored
 //      K-block-major so the main kernel reads a tile's statistics with coalesced loads;
 //   2. the main kernel: 64 x 64 output tile per block of 4 warps, each warp a 32 x 32 sub-tile

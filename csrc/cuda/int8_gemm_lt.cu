@@ -2,7 +2,7 @@
 // fp64 route (csrc/fp64_bound_host.h) straight through cuBLASLt.
 //
 // Why not at::_int_mm: it passes no algorithm to cublasLtMatmul, which then runs its heuristic
-// on every call: ~85 us of host time per GEMM (det_ddp step profile, NOTES "Session 8"), more
+// on every call: ~85 us of host time per GEMM in a det_ddp step's profile, more
 // than the GEMM itself takes on the GPU for the training step's shapes, and a slice GEMM makes
 // 9-27 of them. Here the descriptors and the heuristic's first choice are kept per (kind, shape,
 // strides, layouts, alignment, device); a call then costs one cublasLtMatmul. The algorithm: the
@@ -132,10 +132,10 @@ cublasStatus_t run(const LtPlan& p, const cublasLtMatmulAlgo_t* algo, const LtAr
 // the fastest; one host synchronization per shape and process, and not while the stream is being
 // captured into a graph. Why not by default: a warm-up and two timed runs per candidate, once,
 // chose cutlass sm80 kernels for some of the det_ddp step's shapes that ran slower in the steps
-// than the heuristic's first choice (sm90): the step's int8 GEMMs 8.46 ms of GPU time tuned,
-// 7.51 ms untuned; det_gemm bf16 4096^3 2-4% slower tuned. One shape gained (DetLinear fp32
-// 1024 -> 4096, ~2%). A guess at why, not measured: the timing reruns the same operands, which
-// then sit in L2, unlike a step's (NOTES, session 16).
+// than the heuristic's first choice (sm90): the step's int8 GEMMs took ~13% more GPU time tuned,
+// det_gemm bf16 4096^3 a few percent more. One shape gained (DetLinear fp32 1024 -> 4096, ~2%).
+// A guess at why, not measured: the timing reruns the same operands, which then sit in L2,
+// unlike a step's.
 void tune(LtPlan& p, const LtArgs& g, cudaStream_t stream) {
   static const bool enabled = [] {
     const char* env = std::getenv("LIGHTNING_DET_INT8_GEMM_TUNE");

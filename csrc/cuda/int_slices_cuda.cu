@@ -28,8 +28,8 @@ bool quads_aligned(const T* a, int64_t K) {
 
 unsigned grid_for(int64_t n) { return unsigned(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535 * 16)); }
 
-// Loads a thread issues before it uses the first (session 13: one scalar load in flight per
-// thread kept row_needs and make_slices at ~1.3 TB/s, latency-bound).
+// Loads a thread issues before it uses the first (one scalar load in flight per thread left
+// row_needs and make_slices latency-bound, far below the memory bandwidth).
 constexpr int kQuadsInFlight = 4;
 
 // Four consecutive elements of a row, one vector access when `vec` (aligned base, K % 4 == 0).
@@ -592,19 +592,18 @@ const SliceBackend& slice_backend_cuda() {
                                // at 4096^3: 0.57x against 0.68x
                                int64_t(1) << 18, int64_t(1) << 34,
                                // a residue term (~10 instructions, scattered reads) against ~10^15
-                               // int8 multiply-adds a second (NOTES "Session 7")
+                               // int8 multiply-adds a second
                                10000.0,
                                // cuBLASLt's sm90 int8 kernels: chunks 8 (mod 16) wide, <= 2^23 outputs
                                int64_t(1) << 23,
                                // plans from each call's summaries: cached guesses (no host
                                // synchronization per GEMM) measured no faster in the det_ddp step,
-                               // which is host-bound, and a stale guess costs a slow call (NOTES
-                               // "Session 9"); a call's plans argument (-2, -2) turns them on
+                               // which is host-bound, and a stale guess costs a slow call;
+                               // a call's plans argument (-2, -2) turns them on
                                false,
-                               // the CRT way (crt.h): only where a path forces it. Measured at 4096^3
-                               // (results/logs/h200-gemm-4096-normal-1bfcb16.json): fp32 0.646x torch.mm
-                               // against the diagonals' 0.632x, a tie; bf16 0.97x against 1.17x (8
-                               // moduli for 9 pairs); its GEMMs run at K, the diagonals' at up to 5 K
+                               // the CRT way (crt.h): only where a path forces it. At 4096^3 it ties
+                               // the diagonals on fp32 and is slower on bf16 (8 moduli for 9 pairs);
+                               // its GEMMs run at K, the diagonals' at up to 5 K
                                true, std::numeric_limits<double>::infinity()};
   return be;
 }

@@ -6,7 +6,8 @@ lookalike classes det_transform swaps to the same replacement (rules in
 
 ``invariances`` name rows of the contract table in DESIGN.md section 1 that the tests
 (tests/test_det_modules.py) assert for the replacement. ``verified_on`` lists the devices the
-tests have passed on; CUDA entries are added only after the GPU run (benchmarks/results/).
+tests have passed on; a CUDA entry is added only once they pass on that GPU
+(benchmarks/results/<device>-cuda_suite.json records the run).
 """
 from __future__ import annotations
 

@@ -149,7 +149,7 @@ def gemm_path(path: str) -> Iterator[None]:
             one GEMM per modulus of a residue number system (Chinese remainder theorem) where
             the moduli cover the products; "auto" takes it on the CPU wherever it needs fewer int8
             GEMMs than the diagonals when the build has AVX-512, else for fp32 from K ~ 100,
-            and on CUDA never: benchmarks/NOTES.md; :func:`last_slices_plan` says which ran),
+            and on CUDA never (no faster there); :func:`last_slices_plan` says which ran),
             ``"fp64"`` (rounded outputs from one fp64 GEMM whose proven error bound decides each
             output's rounding; the few it cannot decide are recomputed from the operands,
             csrc/fp64_bound.h; "auto" takes it on CUDA for rounded outputs with an fp32

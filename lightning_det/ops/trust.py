@@ -31,7 +31,7 @@ def trusted():
     A det redirect mode (``det_function_mode``, marked ``ldet_redirect_mode``) on top of the torch
     function mode stack is set aside inside the region: a det op's internals call nothing it
     redirects, and every torch call through a Python mode costs host time (~300 calls a det_ddp
-    step, which is bound by its host time: benchmarks/NOTES.md, session 18). Other modes stay.
+    step, which is bound by its host time). Other modes stay.
     """
     tok = _TRUSTED.set(_TRUSTED.get() + 1)
     try:

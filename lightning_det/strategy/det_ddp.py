@@ -85,11 +85,11 @@ class DeterministicStrategy(DDPStrategy):
             and backward): ``"auto"`` (default) takes cached plans on CUDA and plans from each
             call's summaries on the CPU; ``"cached"`` a GEMM repeating an earlier call's shapes
             takes the largest of that key's recent plans and reads its own summary later, so the
-            step has no host synchronization and the host queues it ahead of the GPU (on the
-            H200 the steady-state det_ddp step took 15.0 instead of 21.8 ms: benchmarks/NOTES.md,
-            session 18); ``"sync"`` every GEMM waits for its own summaries. The bytes are the same
-            under all three (the ``plans`` argument of :func:`lightning_det.ops.det_gemm`, which the
-            step state passes to the det modules and det attention).
+            step has no host synchronization and the host queues it ahead of the GPU (a step bound
+            by its host time runs faster); ``"sync"`` every GEMM waits for its own summaries. The
+            bytes are the same under all three (the ``plans`` argument of
+            :func:`lightning_det.ops.det_gemm`, which the step state passes to the det modules and
+            det attention).
     """
 
     strategy_name = "det_ddp"

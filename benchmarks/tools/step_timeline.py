@@ -1,0 +1,138 @@
+"""Where a det_ddp training step on one GPU leaves the GPU idle, and what the host does meanwhile.
+
+    python benchmarks/tools/step_timeline.py --out /tmp/timeline.json     # CUDA only
+
+The model is benchmarks/ddp_step.py's (embedding, LayerNorm, MLP, LayerNorm, head). Steps 10-12
+run under torch.profiler. Per step (the span of Lightning's Optimizer.step, which holds the
+forward, backward and update; its GPU work counted to its end): the GPU's busy time (the union
+of its kernel and copy intervals)
+and its idle gaps. Then, over the gaps longer than 20 us, the host ops they overlap, by name:
+what the GPU was waiting for. Nested ops are all counted (an aten::zeros and the aten::fill_
+inside it), so the list ranks causes; it does not add up to the idle time. Profiler overhead
+inflates host time: compare the busy time with ddp_step.py's unprofiled step time. Also the
+device time per kernel name per step (25 largest), to see which kernels a change moved.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parents[1]  # benchmarks/: _common
+sys.path.insert(0, str(BENCH.parent))
+sys.path.insert(0, str(BENCH))
+
+PROFILED = (10, 13)  # global steps [first, end)
+MIN_GAP_US = 20
+
+
+def run_profiled(width: int, batch: int, guess: str):
+    import lightning as L
+
+    from _common import det_step_module, det_strategy, token_loader
+
+    class Profile(L.Callback):
+        prof = None
+        done = None
+
+        def on_train_batch_start(self, trainer, *a):
+            torch.cuda.synchronize()
+            if trainer.global_step == PROFILED[0]:
+                acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                self.prof = torch.profiler.profile(activities=acts)
+                self.prof.__enter__()
+
+        def on_train_batch_end(self, trainer, *a):
+            torch.cuda.synchronize()
+            if self.prof is not None and trainer.global_step == PROFILED[1]:
+                self.prof.__exit__(None, None, None)
+                self.done, self.prof = self.prof, None
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 512, (batch * (PROFILED[1] + 3),), generator=g)
+    dl = token_loader(x, (x * 7 + 3) % 512, batch)
+    cb = Profile()
+    trainer = L.Trainer(accelerator="gpu", devices=1, strategy=det_strategy(guess), max_steps=PROFILED[1] + 1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[cb])
+    trainer.fit(det_step_module(width), dl)
+    return cb.done.events()
+
+
+def analyse(events) -> dict:
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    cpu_names = {e.name for e in cpu}
+    # GPU-side user annotations (the Optimizer.step range shows there too) are not GPU work
+    work = sorted((e.time_range.start, e.time_range.end) for e in events
+                  if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in cpu_names
+                  and not e.name.startswith(("Optimizer.", "ProfilerStep")))
+    steps, gaps = [], []
+    for t0, t1 in sorted((e.time_range.start, e.time_range.end) for e in cpu if e.name.startswith("Optimizer.step")):
+        # work queued in the step runs to its end: once the host runs ahead of the GPU, the
+        # kernels of the step's last ops end after Optimizer.step has returned, and a window
+        # clipped there would under-count the step's busy time
+        spans = [(max(s, t0), e) for s, e in work if e > t0 and s < t1]
+        if not spans:
+            continue
+        busy, cur_s, cur_e = 0.0, *spans[0]
+        step_gaps = [(t0, cur_s)]
+        for s, e in spans[1:]:
+            if s > cur_e:
+                busy += cur_e - cur_s
+                step_gaps.append((cur_e, s))
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        busy += cur_e - cur_s
+        if cur_e < t1:
+            step_gaps.append((cur_e, t1))
+        steps.append({"window_us": round(t1 - t0), "gpu_busy_us": round(busy)})
+        gaps += step_gaps
+    big = [g for g in gaps if g[1] - g[0] > MIN_GAP_US]
+    host = collections.Counter()
+    named = [e for e in cpu if not e.name.startswith(("ProfilerStep", "Optimizer.step", "enumerate("))]
+    for g0, g1 in big:
+        for e in named:
+            overlap = min(e.time_range.end, g1) - max(e.time_range.start, g0)
+            if overlap > 0:
+                host[e.name] += overlap
+    n = max(1, len(steps))
+    # device time per kernel name in the profiled steps: which kernels a change made faster
+    kernels = collections.Counter()
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in cpu_names and \
+                not e.name.startswith(("Optimizer.", "ProfilerStep")):
+            kernels[e.name[:100]] += e.time_range.end - e.time_range.start
+    return {"gpu_kernels_us_per_step": [(k, round(v / n)) for k, v in kernels.most_common(25)], "steps": steps,
+            "gpu_busy_us_per_step": sum(s["gpu_busy_us"] for s in steps) / n,
+            "gaps_over_20us_per_step": len(big) / n, "idle_in_those_gaps_us_per_step": sum(b - a for a, b in big) / n,
+            "host_ops_during_those_gaps_us_per_step": [(k, round(v / n)) for k, v in host.most_common(40)]}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--slices-guess", default="default", choices=["default", "sync", "cached"])
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("step_timeline.py needs a CUDA GPU")
+    from _common import header
+
+    res = {**header("cuda"), "width": a.width, "batch": a.batch, "slices_guess": a.slices_guess,
+           **analyse(run_profiled(a.width, a.batch, a.slices_guess))}
+    print(json.dumps({k: v for k, v in res.items() if not k.endswith("_per_step") or k.startswith("gpu_busy")}))
+    for name, us in res["gpu_kernels_us_per_step"][:15]:
+        print(f"{us:9d} us/step of GPU  {name[:90]}")
+    for name, us in res["host_ops_during_those_gaps_us_per_step"][:30]:
+        print(f"{us:9d} us/step  {name[:90]}")
+    Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
