@@ -62,7 +62,7 @@ def main(argv=None):
 
     from _common import step_model
     from lightning_det import global_mean
-    from lightning_det.nn import StepState, StepStateMode, det_function_mode, det_transform, set_grad_digits
+    from lightning_det.nn import StepState, det_function_mode, det_transform, set_grad_digits
     from lightning_det.parallel.grad_sync import sync_gradients
     from lightning_det.parallel.loss import global_loss_reduce
 
@@ -97,12 +97,10 @@ def main(argv=None):
                 with state.eager_rounding(enabled=level >= 2):
                     loss = global_mean(F.cross_entropy(net(x), y, reduction="none"))
                     phases.mark("forward queued")
-                    with StepStateMode(state):
-                        loss.backward()
+                    loss.backward()
                     phases.mark("backward returned")
         else:
             global_mean(F.cross_entropy(net(x), y, reduction="none")).backward()
-        state.consume_global_mean()
         if level >= 2:
             sync_gradients(list(net.parameters()), state)
             phases.mark("gradients synced")

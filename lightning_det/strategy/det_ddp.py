@@ -39,12 +39,12 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from ..nn.function_mode import det_function_mode
 from ..nn.grad_digits import set_grad_digits
-from ..nn.step_state import StepState, StepStateMode
+from ..nn.step_state import StepState
 from ..optim.clip import clip_grad_norm_exact_
 from ..parallel.audit import OpAudit
 from ..parallel.env import apply_strict_environment
 from ..parallel.grad_sync import grad_scale_exp, sync_gradients
-from ..parallel.loss import global_loss_reduce
+from ..parallel.loss import feeds_global_loss, global_loss_reduce
 from ..parallel.reduce import exact_reduce
 
 log = logging.getLogger(__name__)
@@ -243,9 +243,10 @@ class DeterministicStrategy(DDPStrategy):
 
     def backward(self, closure_loss, optimizer, *args: Any, **kwargs: Any):
         # every micro-batch's backward, manual_backward too: a global loss back-propagated here
-        # marks the step state (lightning_det.parallel.loss)
-        with StepStateMode(self.step_state):
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # decides the step's gradient scale
+        if isinstance(closure_loss, torch.Tensor) and feeds_global_loss(closure_loss):
+            self.step_state.global_mean_used = True
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._function_mode(None):
