@@ -12,7 +12,8 @@ reads it back when the step's gradients are rounded. It holds:
   backward, waiting for the owner;
 - ``checks``: value checks of the step's inputs, resolved by the owner (DeferredChecks);
 - ``global_mean_used``: whether a global loss (:func:`lightning_det.global_mean`) was
-  back-propagated, so the owner skips its 1/N gradient scale.
+  back-propagated (the strategy sets it from
+  :func:`lightning_det.parallel.loss.feeds_global_loss`), so it skips its 1/N gradient scale.
 
 Eager rounding (``with state.eager_rounding():`` around the step's one backward, world size 1):
 the digits of a parameter with exactly one contribution in that backward would be rounded once
@@ -193,11 +194,11 @@ class StepState:
 class StepStateMode(TorchFunctionMode):
     """A torch function mode that carries a StepState to code that runs without a det module.
 
-    The global losses (:func:`lightning_det.global_mean`) and ``det_cross_entropy``'s deferred
-    checks run in the user's code, outside any module bound to the state: they find the state
-    of the innermost such mode on the torch function mode stack (:func:`current_step_state`).
-    This mode redirects nothing; :func:`lightning_det.nn.det_function_mode` is one that also
-    redirects. The owner of the step enters one around the user's step and its backward.
+    ``det_cross_entropy``'s deferred checks run in the user's code, outside any module bound to
+    the state: they find the state of the innermost such mode on the torch function mode stack
+    (:func:`current_step_state`). This mode redirects nothing;
+    :func:`lightning_det.nn.det_function_mode` is one that also redirects, which det_ddp enters
+    around its training step. (Autograd's backward does not see the mode stack.)
     """
 
     # set aside inside trusted regions (lightning_det.ops.trust), like the redirect mode: a det
@@ -215,8 +216,8 @@ class StepStateMode(TorchFunctionMode):
 
 
 def current_step_state() -> Optional[StepState]:
-    """The StepState of the innermost StepStateMode on this thread's torch function mode stack
-    (autograd's backward sees the stack of the thread that started it), or None."""
+    """The StepState of the innermost StepStateMode on this thread's torch function mode stack,
+    or None."""
     for i in range(torch._C._len_torch_function_stack() - 1, -1, -1):
         state = getattr(torch._C._get_function_stack_at(i), "ldet_step_state", None)
         if state is not None:

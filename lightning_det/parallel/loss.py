@@ -1,9 +1,9 @@
 """global_mean / global_sum: losses whose value and gradient are the same at any world size and split.
 
 Both are :func:`lightning_det.nn.loss.exact_loss_reduce` (exact digit sum, one rounding) with the
-digits, and the count, summed over the ranks before the rounding. When such a loss is
-back-propagated they tell the step's state (:func:`lightning_det.nn.step_state.current_step_state`,
-the strategy's) that the loss is already global, so the strategy skips its 1/N gradient scale.
+digits, and the count, summed over the ranks before the rounding. Their autograd node is marked
+``global_loss``: the strategy that back-propagates a loss asks :func:`feeds_global_loss` and, when
+a global loss feeds it, records that in its step state and skips its 1/N gradient scale.
 """
 from __future__ import annotations
 
@@ -13,19 +13,28 @@ import torch
 import torch.distributed as dist
 
 from ..nn.loss import exact_loss_reduce
-from ..nn.step_state import current_step_state
 from ..ops import det_all_reduce
 from ..ops.trust import trusted
 
-__all__ = ["global_mean", "global_sum", "global_loss_reduce"]
+__all__ = ["global_mean", "global_sum", "global_loss_reduce", "feeds_global_loss"]
 
 
-def _note_global_loss(grad: torch.Tensor) -> None:
-    # runs in the backward, under the strategy's StepStateMode: only a loss that is
-    # back-propagated decides the gradient scale
-    state = current_step_state()
-    if state is not None:
-        state.global_mean_used = True
+def feeds_global_loss(loss: torch.Tensor) -> bool:
+    """Whether a global loss (:func:`global_mean`, :func:`global_sum`) is part of ``loss``'s
+    autograd graph, e.g. ``global_mean(l) / k``: the strategy calls it on the loss it
+    back-propagates (only such a loss decides the gradient scale). Walks the graph from the loss
+    until it meets a marked node (at once for the usual ``global_mean(...) / k``), each node once."""
+    node = getattr(loss, "grad_fn", None)
+    stack, seen = [node], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if getattr(node, "global_loss", False):
+            return True
+        stack.extend(fn for fn, _ in node.next_functions)
+    return False
 
 
 def _world(group) -> int:
@@ -63,8 +72,8 @@ def _global(values, reduction, mask, group, out_dtype, count: Optional[int] = No
         raise ValueError("values: expected at least one element on some rank, got none")
     combine = _combine(group, masked=mask is not None)
     out = exact_loss_reduce(values, reduction, mask=mask, out_dtype=out_dtype, count=count, combine=combine)
-    if out.requires_grad:
-        out.register_hook(_note_global_loss)
+    if out.grad_fn is not None:
+        out.grad_fn.global_loss = True  # the node of exact_loss_reduce's Function: its ctx (feeds_global_loss)
     return out
 
 

@@ -41,11 +41,11 @@ from typing_extensions import override
 
 from ..nn.function_mode import det_function_mode
 from ..nn.grad_digits import set_grad_digits
-from ..nn.step_state import StepState, StepStateMode
+from ..nn.step_state import StepState
 from ..parallel.audit import OpAudit
 from ..parallel.env import apply_strict_environment
 from ..parallel.grad_sync import grad_scale_exp, sync_gradients
-from ..parallel.loss import global_loss_reduce
+from ..parallel.loss import feeds_global_loss, global_loss_reduce
 from ..parallel.reduce import exact_reduce
 from .checkpoint_io import AtomicCheckpointIO
 from .precision import exact_norm_clipping
@@ -260,9 +260,10 @@ class DeterministicStrategy(DDPStrategy):
     @override
     def backward(self, closure_loss, optimizer, *args: Any, **kwargs: Any):
         # every micro-batch's backward, manual_backward too: a global loss back-propagated here
-        # marks the step state (lightning_det.parallel.loss)
-        with StepStateMode(self.step_state):
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # decides the step's gradient scale
+        if isinstance(closure_loss, torch.Tensor) and feeds_global_loss(closure_loss):
+            self.step_state.global_mean_used = True
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -18,10 +18,11 @@ from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from typing_extensions import override
 
 from ..nn.grad_digits import set_grad_digits
-from ..nn.step_state import StepState, StepStateMode
+from ..nn.step_state import StepState
 from ..optim.clip import clip_grad_norm_exact_
 from ..parallel.env import apply_strict_environment
 from ..parallel.grad_sync import grad_scale_exp, sync_gradients
+from ..parallel.loss import feeds_global_loss
 from ..parallel.reduce import exact_reduce
 
 __all__ = ["FabricDeterministicStrategy"]
@@ -58,9 +59,10 @@ class FabricDeterministicStrategy(FabricDDPStrategy):
         return module
 
     def backward(self, tensor: torch.Tensor, module, *args: Any, **kwargs: Any) -> None:
-        # a global loss back-propagated here marks the step state (lightning_det.parallel.loss)
-        with StepStateMode(self.step_state):
-            return super().backward(tensor, module, *args, **kwargs)
+        # a global loss back-propagated here decides the step's gradient scale
+        if feeds_global_loss(tensor):
+            self.step_state.global_mean_used = True
+        return super().backward(tensor, module, *args, **kwargs)
 
     def no_backward_sync(self, module, enabled: bool):
         import contextlib
