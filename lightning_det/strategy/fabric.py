@@ -10,11 +10,13 @@ Usage is ordinary Fabric; the reduction happens inside ``optimizer.step()``:
 """
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from typing_extensions import override
 
 from ..nn.grad_digits import set_grad_digits
@@ -27,6 +29,15 @@ from ..parallel.reduce import exact_reduce
 __all__ = ["FabricDeterministicStrategy"]
 
 
+class _NothingToBlock(_BackwardSyncControl):
+    """Nothing is communicated during backward (gradients are reduced in ``optimizer.step()``),
+    so ``fabric.no_backward_sync(model)`` has nothing to skip."""
+
+    @override
+    def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> AbstractContextManager:
+        return nullcontext()
+
+
 class FabricDeterministicStrategy(FabricDDPStrategy):
     """Fabric's DDPStrategy without the DDP wrapper; gradients reduced as digits."""
 
@@ -35,6 +46,9 @@ class FabricDeterministicStrategy(FabricDDPStrategy):
         super().__init__(*args, **kwargs)
         self.det_last_sync: dict = {}
         self._synced = False  # clip_gradients may sync before optimizer.step does
+        # Private, but the one object fabric.no_backward_sync asks; DDPStrategy's would demand a
+        # DistributedDataParallel wrapper, which this strategy never makes.
+        self._backward_sync_control = _NothingToBlock()
 
     def _sync(self, optimizer) -> None:
         if not self._synced:
@@ -51,11 +65,6 @@ class FabricDeterministicStrategy(FabricDDPStrategy):
                 for t in list(module.parameters()) + list(module.buffers()):
                     dist.broadcast(t.data, src=0)
         return module
-
-    def no_backward_sync(self, module, enabled: bool):
-        import contextlib
-
-        return contextlib.nullcontext()  # nothing is communicated during backward anyway
 
     @override
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
