@@ -10,11 +10,13 @@ Usage is ordinary Fabric; the reduction happens inside ``optimizer.step()``:
 """
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from typing_extensions import override
 
 from ..nn.grad_digits import set_grad_digits
@@ -26,6 +28,15 @@ from ..parallel.loss import feeds_global_loss
 from ..parallel.reduce import exact_reduce
 
 __all__ = ["FabricDeterministicStrategy"]
+
+
+class _NothingToBlock(_BackwardSyncControl):
+    """Nothing is communicated during backward (gradients are reduced in ``optimizer.step()``),
+    so ``fabric.no_backward_sync(model)`` has nothing to skip."""
+
+    @override
+    def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> AbstractContextManager:
+        return nullcontext()
 
 
 class FabricDeterministicStrategy(FabricDDPStrategy):
@@ -41,6 +52,9 @@ class FabricDeterministicStrategy(FabricDDPStrategy):
         self.det_last_sync: dict = {}
         self.step_state = StepState()
         self._synced = False  # clip_gradients may sync before optimizer.step does
+        # Private, but the one object fabric.no_backward_sync asks; DDPStrategy's would demand a
+        # DistributedDataParallel wrapper, which this strategy never makes.
+        self._backward_sync_control = _NothingToBlock()
 
     def _sync(self, optimizer) -> None:
         if not self._synced:
@@ -58,16 +72,12 @@ class FabricDeterministicStrategy(FabricDDPStrategy):
                     dist.broadcast(t.data, src=0)
         return module
 
+    @override
     def backward(self, tensor: torch.Tensor, module, *args: Any, **kwargs: Any) -> None:
         # a global loss back-propagated here decides the step's gradient scale
         if feeds_global_loss(tensor):
             self.step_state.global_mean_used = True
         return super().backward(tensor, module, *args, **kwargs)
-
-    def no_backward_sync(self, module, enabled: bool):
-        import contextlib
-
-        return contextlib.nullcontext()  # nothing is communicated during backward anyway
 
     @override
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:

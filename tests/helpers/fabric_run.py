@@ -36,7 +36,8 @@ def main(devices: int, accum: int, clip: float) -> None:
             start = (step * accum + a) * per_rank
             b = torch.tensor(idx[start : start + per_rank])
             loss = global_mean(F.cross_entropy(model(x[b]), y[b], reduction="none")) / accum
-            fabric.backward(loss)
+            with fabric.no_backward_sync(model, enabled=a < accum - 1):  # Fabric's accumulation idiom
+                fabric.backward(loss)
         if clip:
             fabric.clip_gradients(model, opt, max_norm=clip)
         opt.step()
