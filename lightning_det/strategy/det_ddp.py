@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from ..nn.attention import det_function_mode
 from ..ops import slices_guess
+from ..ops.args import as_index
 from ..ops.deferred_checks import DeferredChecks, deferring_checks
 from ..nn.grad_digits import eager_rounding, set_grad_digits
 from ..optim.clip import clip_grad_norm_exact_
@@ -98,7 +99,10 @@ class DeterministicStrategy(DDPStrategy):
         self.det_environment = apply_strict_environment()
         super().__init__(*args, **kwargs)
         self.strict = strict
-        self.seed = seed
+        seed_int = as_index(seed)  # a Python or NumPy integer; a float is refused, not truncated
+        if seed_int is None:
+            raise TypeError(f"seed: expected an integer, got {type(seed).__name__} {seed!r}")
+        self.seed = seed_int
         self.audit = audit
         self.eager_rounding = bool(eager_rounding)
         self.gemm_plans = gemm_plans
