@@ -14,17 +14,30 @@
 //   at most digits q..q+2 <= 17 and digit 17 has 2^53 of carry room beyond the largest product.
 //
 // Canonical (normalized) form
-//   digits 0..16 in [0, 2^32), digit 17 signed and carrying the sign of the whole value.
-//   Every value has exactly one canonical form, so equal values have equal bytes.
-//   Each status counter is clamped to 0 or 1.
+//   digits 0..16 in [0, 2^32), digit 17 signed, |d_17| < 2^LDET_TOP_BITS = 2^41, carrying the
+//   sign of the whole value. Every value in range has exactly one canonical form, so equal
+//   values have equal bytes. Each status counter is clamped to 0 or 1.
 //
-// Headroom bounds (tests/test_longacc_format.py checks the edge)
+// Range
+//   A value is in range when the top digit of its canonical form lies in (-2^41, 2^41), so
+//   every |value| < (2^41 - 1) * 2^246 is (2^31 largest fp32 products; the formats' own
+//   range ends at 2^128). normalize() turns a value out of range into an overflow: its digits
+//   become zero and the +inf (or -inf) counter is set, as an IEEE sum that overflows gives inf.
+//   A later sum then follows the IEEE rules below (inf - inf = NaN), and the result never
+//   shows a wrapped sign. normalize() takes any int64 words: no intermediate leaves int64.
+//
+// Headroom bounds (all here; the Python mirror is lightning_det/profile.py; tests in
+// tests/test_longacc_format.py and tests/test_digit_bounds.py check each edge)
 //   One "addition" adds a limb of magnitude < 2^32 to a digit. From canonical form (|d| < 2^32)
-//   a digit absorbs  LDET_HEADROOM_ADDS = 2^31 - 2  additions without leaving int64:
+//   a digit 0..16 absorbs  LDET_HEADROOM_ADDS = 2^31 - 2  additions without leaving int64:
 //   (2^31 - 2) * (2^32 - 1) + 2^32 - 1 < 2^63 - 1, while 2^31 - 1 more such limbs can exceed it.
-//   Kernels normalize after every LDET_NORM_INTERVAL = 2^30 additions, well inside the bound,
-//   so K has no limit. A sum of n canonical accumulators (det_combine, the int64 SUM
-//   all-reduce) is safe for n <= 2^31 - 1 digits-wise and n < 2^21 status-wise.
+//   Kernels normalize after every LDET_NORM_INTERVAL = 2^30 additions, well inside the bound
+//   (the top digit: 2^41 + 2^30 * 2^32 < 2^63), so K has no limit.
+//   A word-wise sum (det_combine, the int64 SUM all-reduce, a flush of partial accumulators)
+//   holds at most LDET_COMBINE_MAX = 2^21 - 1 canonical accumulators before it is normalized:
+//   each status counter then stays below 2^21 (it would carry into the next counter at 2^21),
+//   and the top digit below (2^21 - 1) * 2^41 < 2^62. det_combine normalizes after every
+//   group of that many; det_all_reduce refuses larger world sizes.
 //
 // IEEE specials (status word: bits 0..20 NaN count, 21..41 +inf count, 42..62 -inf count)
 //   A NaN input, inf x 0, or +inf together with -inf anywhere in the sum -> NaN.
@@ -56,6 +69,9 @@ constexpr int64_t LDET_NAN = int64_t(1);
 constexpr int64_t LDET_PINF = int64_t(1) << LDET_STATUS_BITS;
 constexpr int64_t LDET_NINF = int64_t(1) << (2 * LDET_STATUS_BITS);
 constexpr int64_t LDET_MASK32 = 0xffffffffLL;
+constexpr int LDET_TOP_BITS = 41;
+constexpr int64_t LDET_TOP_LIMIT = int64_t(1) << LDET_TOP_BITS;
+constexpr int64_t LDET_COMBINE_MAX = (int64_t(1) << LDET_STATUS_BITS) - 1;
 
 // Exactness window of the fp64 block sums used by the GEMM kernels: a block of products whose
 // exponents satisfy (hi_x - lo_x) + (hi_w - lo_w) <= LDET_FAST_SPREAD is summed exactly by fp64
@@ -155,20 +171,31 @@ LDET_HD void add_value(int64_t* acc, double v) {
   }
 }
 
-// Carry propagation into canonical form. Requires |d_i| < 2^63 - 2^32 (the headroom bound).
+// Carry propagation into canonical form, for any int64 words. Each digit is split into its low
+// 32 bits and the rest before the carry is added, so |carry| <= 2^31 + 1 and nothing wraps;
+// for words within the headroom bounds this is plain carry propagation. A top digit that
+// leaves (-2^41, 2^41) is an overflow (see "Range" above).
 LDET_HD void normalize(int64_t* acc) {
   int64_t carry = 0;
   for (int i = 0; i < LDET_TOP; ++i) {
-    const int64_t t = acc[i] + carry;
-    acc[i] = t & LDET_MASK32;
-    carry = t >> 32;  // arithmetic shift: floor division, so the low part is in [0, 2^32)
+    const int64_t high = acc[i] >> 32;  // arithmetic shift: floor division
+    const int64_t low = (acc[i] & LDET_MASK32) + carry;
+    acc[i] = low & LDET_MASK32;
+    carry = high + (low >> 32);
   }
-  acc[LDET_TOP] += carry;
+  const int64_t top = acc[LDET_TOP];
+  const bool wraps = carry > 0 ? top > INT64_MAX - carry : top < INT64_MIN - carry;
   int64_t st = acc[LDET_STATUS];
   int64_t canon = 0;
   if (st & LDET_STATUS_MASK) canon |= LDET_NAN;
   if ((st >> LDET_STATUS_BITS) & LDET_STATUS_MASK) canon |= LDET_PINF;
   if ((st >> (2 * LDET_STATUS_BITS)) & LDET_STATUS_MASK) canon |= LDET_NINF;
+  if (wraps || top + carry >= LDET_TOP_LIMIT || top + carry <= -LDET_TOP_LIMIT) {
+    canon |= (wraps ? carry > 0 : top + carry > 0) ? LDET_PINF : LDET_NINF;
+    for (int i = 0; i <= LDET_TOP; ++i) acc[i] = 0;
+  } else {
+    acc[LDET_TOP] = top + carry;
+  }
   acc[LDET_STATUS] = canon;
 }
 

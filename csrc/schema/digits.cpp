@@ -22,7 +22,8 @@ TORCH_LIBRARY_FRAGMENT(ldet, m) {
   // Layout constants of the compiled core, checked against lightning_det/profile.py at load.
   m.def("layout() -> int[]", []() {
     return std::vector<int64_t>{ldet::LDET_NDIGITS, ldet::LDET_WORDS, ldet::LDET_LSB_EXP,
-                                ldet::LDET_STATUS_BITS, ldet::LDET_KBLOCK};
+                                ldet::LDET_STATUS_BITS, ldet::LDET_KBLOCK, ldet::LDET_TOP_BITS,
+                                ldet::LDET_COMBINE_MAX};
   });
   m.def("profile() -> str", []() { return std::string(ldet::kProfile); });
 }

@@ -12,6 +12,8 @@ from typing import Iterator
 import torch
 from torch.utils.data import Sampler
 
+from ..ops.args import as_index
+
 __all__ = ["DeterministicSampler"]
 
 
@@ -53,7 +55,10 @@ class DeterministicSampler(Sampler[int]):
         self.num_replicas = int(num_replicas)
         self.rank = int(rank)
         self.shuffle = bool(shuffle)
-        self.seed = int(seed)
+        seed_int = as_index(seed)  # a Python or NumPy integer; a float is refused, not truncated
+        if seed_int is None:
+            raise TypeError(f"seed: expected an integer, got {type(seed).__name__} {seed!r}")
+        self.seed = seed_int
         self.epoch = 0
         self.consumed_chunks = 0  # consumed by the training loop in self.epoch
         self._resume_chunk = 0  # where the next __iter__ of self.epoch starts

@@ -1,6 +1,7 @@
 """DetEmbedding: nn.Embedding whose weight gradient is an exact digit sum (never float atomics)."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -10,8 +11,9 @@ from torch import nn
 from ._swap import swap_class
 
 from ..ops import det_finalize, scatter_sum_digits
-from ..ops.trust import trusted_fn
-from .step_state import StepState
+from ..ops.deferred_checks import DeferredChecks, check_now_or_later
+from ..ops.trust import trusted, trusted_fn
+from .step_state import StepState, current_step_state
 
 __all__ = ["DetEmbedding"]
 
@@ -103,13 +105,64 @@ class DetEmbedding(nn.Embedding):
         _check_options(self)
         if input.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"input: expected int64 or int32 indices, got {input.dtype}")
+        # the range check waits for the step inside det_ddp's training step (its step state's
+        # checks, as det_cross_entropy's target check does); elsewhere it is decided now
+        now = current_step_state()
+        input, bad = _checked_indices(input, self.num_embeddings, None if now is None else now.checks)
         state = self.step_state
         if state is not None:
             state.note_forward_use(self.weight)
-        return _DetEmbeddingFn.apply(input, self.weight, self.padding_idx, state)
+        out = _DetEmbeddingFn.apply(input, self.weight, self.padding_idx, state)
+        if bad is not None:
+            with trusted():
+                out = out.masked_fill(bad.unsqueeze(-1), math.nan)
+        return out
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", exact=True"
+
+
+def _checked_indices(idx: torch.Tensor, n: int, checks: Optional[DeferredChecks]):
+    """``(indices to gather, mask of bad positions or None)`` after the range check [0, n).
+
+    Outside a collector the check is decided now: on the CPU it raises naming the input and the
+    range; on a GPU it is left to a device-side assert, as a host read would stall the stream.
+    Given the step's ``checks`` (det_ddp's training step) it is recorded and raised when the step's checks are resolved, before the optimizer step;
+    until then bad positions gather row 0 and their outputs are NaN, and no kernel reads out of
+    range.
+    """
+    if idx.numel() == 0:
+        return idx, None
+    with trusted():
+        if checks is not None:
+            bad = (idx < 0) | (idx >= n)
+            lo, hi = torch.aminmax(torch.where(bad, idx, torch.zeros_like(idx)).long())
+            check_now_or_later(torch.stack([bad.sum(), lo, hi]), _index_verdict(n, deferred=True), checks)
+            return idx.masked_fill(bad, 0), bad
+        lo, hi = torch.aminmax(idx.long())
+        if idx.is_cuda:
+            torch._assert_async((lo >= 0) & (hi < n), f"DetEmbedding input: indices must lie in [0, {n})")
+            return idx, None
+        lo, hi = int(lo), int(hi)
+    if lo < 0 or hi >= n:
+        bad = int(((idx < 0) | (idx >= n)).sum())
+        raise _index_verdict(n, deferred=False)([bad, lo, hi])
+    return idx, None
+
+
+def _index_verdict(n: int, deferred: bool):
+    """The index check's verdict on [count of bad indices, min, max]."""
+
+    def verdict(stats):
+        n_bad, lo, hi = stats
+        if not n_bad:
+            return None
+        when = (" (found when det_ddp resolved the step's checks, before its optimizer step)"
+                if deferred else "")
+        return IndexError(f"input: {n_bad} index value(s) outside [0, {n}) for an embedding of "
+                          f"{n} rows, e.g. {hi if hi >= n else lo}{when}")
+
+    return verdict
 
 
 def _check_options(emb: nn.Embedding) -> None:

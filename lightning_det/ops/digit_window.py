@@ -327,7 +327,9 @@ def pack(acc: torch.Tensor, plan: WindowPlan) -> torch.Tensor:
             out.index_add_(0, j.clamp(max=last).flatten(), ((c & ((1 << room) - 1)) << off).flatten())
             out.index_add_(0, (j + 1).clamp(max=last).flatten(), (c >> room).flatten())
     if plan.fallback_rows.numel():
-        out[plan.fast_words :] = acc.index_select(0, plan.fallback_rows).flatten()
+        # normalized, so a SUM of up to MAX_WORLD_SIZE of them stays inside the headroom
+        # whatever this rank brought (longacc.h: an out-of-range value travels as +-inf)
+        out[plan.fast_words :] = det_normalize(acc.index_select(0, plan.fallback_rows)).flatten()
     return out
 
 

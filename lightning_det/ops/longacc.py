@@ -18,7 +18,8 @@ from typing import Iterable, Iterator, Optional, Sequence
 import torch
 
 from .. import _build
-from ..profile import WORDS
+from .args import as_index
+from ..profile import COMBINE_MAX, WORDS
 from ._registry import ldet as _ops
 
 __all__ = [
@@ -38,7 +39,6 @@ __all__ = [
 LongAcc = torch.Tensor  # int64, shape (..., 19); see the module docstring
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-_MAX_COMBINE = 1 << 30  # canonical inputs: a digit absorbs 2^31 - 2 of them (longacc.h)
 
 
 def _check_device(t: torch.Tensor, name: str) -> None:
@@ -247,7 +247,8 @@ def det_gemm_partial(
 
 
 def det_normalize(acc: LongAcc) -> LongAcc:
-    """Canonical form of a LongAcc (carry propagation). Input digits must be within headroom."""
+    """Canonical form of a LongAcc (carry propagation), for any int64 words; a value beyond the
+    format's range becomes +-inf (csrc/longacc.h, "Range")."""
     check_acc(acc)
     return _ops().normalize(acc)
 
@@ -256,27 +257,51 @@ def det_combine(accs: Sequence[LongAcc] | Iterable[LongAcc]) -> LongAcc:
     """Exact sum of LongAccs of one shape (e.g. partials over K-shards), canonical.
 
     Args:
-        accs: a non-empty sequence of int64 (..., 19) tensors of the same shape and device.
+        accs: a non-empty sequence of int64 (..., 19) tensors of the same shape and device,
+            any number of them, canonical or not.
 
-    The result is the same for any order and grouping of ``accs``.
+    The result is the same for any order and grouping of ``accs``. A sum out of the format's
+    range (csrc/longacc.h) is +-inf, as is any input out of range.
     """
     accs = list(accs)
     if not accs:
         raise ValueError("accs: expected at least one LongAcc, got an empty sequence")
+    checked = set()  # det_combine([acc] * n) checks acc once
     for i, a in enumerate(accs):
+        if id(a) in checked:
+            continue
         check_acc(a, f"accs[{i}]")
         if a.shape != accs[0].shape:
             raise ValueError(f"accs[{i}]: expected shape {tuple(accs[0].shape)} like accs[0], got {tuple(a.shape)}")
         if a.device != accs[0].device:
             raise ValueError(f"accs[{i}]: expected device {accs[0].device} like accs[0], got {a.device}")
-    # Canonical inputs are < 2^32 per digit: summing 2^30 of them at a time can never overflow
-    # int64 (longacc.h); normalizing after each chunk keeps the next chunk inside the headroom too.
-    total = accs[0]
-    for start in range(1, max(len(accs), 2), _MAX_COMBINE):
-        for a in accs[start : start + _MAX_COMBINE]:
-            total = total + a
-        total = _ops().normalize(total)
-    return total
+        checked.add(id(a))
+    # Inputs are normalized first (canonical inputs are unchanged; any others, out-of-range ones
+    # included, become canonical), then added onto the canonical total, which is normalized
+    # after every COMBINE_MAX - 1 inputs: no sum crosses a headroom bound of longacc.h. A run
+    # of one tensor repeated m times adds m times its canonical words (exact integers).
+    ops = _ops()
+    total, pending = ops.normalize(accs[0]), 0
+    for a, count in _runs(accs[1:]):
+        canon = ops.normalize(a)
+        while count:
+            m = min(count, COMBINE_MAX - 1 - pending)
+            total = total + (canon if m == 1 else canon * m)
+            count, pending = count - m, pending + m
+            if pending == COMBINE_MAX - 1:
+                total, pending = ops.normalize(total), 0
+    return ops.normalize(total) if pending else total
+
+
+def _runs(accs: list) -> list:
+    """[tensor, count] for each run of consecutive identical tensor objects."""
+    runs: list = []
+    for a in accs:
+        if runs and runs[-1][0] is a:
+            runs[-1][1] += 1
+        else:
+            runs.append([a, 1])
+    return runs
 
 
 def det_finalize(acc: LongAcc, dtype: torch.dtype = torch.float32, *, scale_exp: int = 0) -> torch.Tensor:
@@ -295,9 +320,10 @@ def det_finalize(acc: LongAcc, dtype: torch.dtype = torch.float32, *, scale_exp:
     check_acc(acc)
     if dtype not in _FLOATS:
         raise TypeError(f"dtype: expected torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
-    if not isinstance(scale_exp, int) or not -64 <= scale_exp <= 0:
+    exp = as_index(scale_exp)  # Python or NumPy integer
+    if exp is None or not -64 <= exp <= 0:
         raise ValueError(f"scale_exp: expected an integer in [-64, 0], got {scale_exp!r}")
-    return _ops().finalize(acc, dtype, scale_exp)
+    return _ops().finalize(acc, dtype, exp)
 
 
 def to_digits(x: torch.Tensor) -> LongAcc:

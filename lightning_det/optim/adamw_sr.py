@@ -54,6 +54,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from ..ops.args import as_index
 from ..ops.optim import adamw_sr_step, sr_round_bf16
 
 __all__ = ["AdamWSR", "stochastic_round_bf16"]
@@ -64,6 +65,9 @@ _U64 = 1 << 64
 
 def _powi(b: float, n: int) -> float:
     # Fixed sequence of IEEE fp64 multiplies: the same bytes on every machine, unlike libm pow.
+    # A negative n would shift towards -1 forever, so it is refused.
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"AdamWSR: the step count must be an int >= 0, got {n!r}")
     result, base = 1.0, float(b)
     while n:
         if n & 1:
@@ -114,7 +118,8 @@ def _check_hparams(lr, betas, eps, weight_decay, seed) -> None:
         raise ValueError(f"AdamWSR: eps must be >= 0, got {eps}")
     if _as_float("weight_decay", weight_decay) < 0.0:
         raise ValueError(f"AdamWSR: weight_decay must be >= 0, got {weight_decay}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _U64:
+    seed_int = as_index(seed)
+    if seed_int is None or not 0 <= seed_int < _U64:
         raise ValueError(f"AdamWSR: seed must be an int in [0, 2**64), got {seed!r}")
 
 
@@ -143,7 +148,8 @@ class AdamWSR(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, seed: int = 0) -> None:
         _check_hparams(lr, betas, eps, weight_decay, seed)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, seed=seed)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        seed=as_index(seed))
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -151,9 +157,13 @@ class AdamWSR(torch.optim.Optimizer):
         group = self.param_groups[-1]
         _check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"],
                        group["seed"])
-        base = group.get("base_index")
-        if base is not None and (isinstance(base, bool) or not isinstance(base, int) or base < 0):
-            raise ValueError(f"AdamWSR: param group 'base_index' must be an int >= 0, got {base!r}")
+        group["seed"] = as_index(group["seed"])  # a NumPy integer would not survive weights_only load
+        if group.get("base_index") is not None:
+            base = as_index(group["base_index"])
+            if base is None or base < 0:
+                raise ValueError("AdamWSR: param group 'base_index' must be an int >= 0, "
+                                 f"got {group['base_index']!r}")
+            group["base_index"] = base
         for p in group["params"]:
             if p.is_complex():
                 raise TypeError(f"AdamWSR: complex parameters are not supported (got {p.dtype}); "
@@ -227,35 +237,150 @@ class AdamWSR(torch.optim.Optimizer):
         return loss
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Loads a state dict, keeping ``exp_avg``/``exp_avg_sq`` fp32 and ``step`` int64 on CPU.
+        """Loads an AdamWSR state dict after checking every entry; nothing changes if one is bad.
+
+        Checked: each saved param group has a ``seed`` and valid hyper-parameters, and carries
+        ``base_index`` exactly when this optimizer's group does (the random draws depend on
+        it); each parameter's state holds exactly ``step`` (an integer >= 0), ``exp_avg`` and
+        ``exp_avg_sq`` (fp32 tensors of the parameter's shape on the CPU or a CUDA GPU). The
+        moments are moved to the parameter's device, as torch does.
+
+        A ``torch.optim.AdamW`` state dict (groups without ``seed``) is refused with a pointer
+        to :meth:`convert_adamw_state_dict`, which states the conversion rule.
 
         torch's ``Optimizer.load_state_dict`` casts floating state to the parameter's dtype,
         which would silently round fp32 moments of bf16 parameters to bf16; the moments are
         therefore taken out before the base class sees them and put back as fp32.
         """
+        where = "AdamWSR.load_state_dict"
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+            raise ValueError(f"{where}: expected a dict with 'state' and 'param_groups', got "
+                             f"{sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__}")
+        groups_in, state_in = state_dict["param_groups"], state_dict["state"]
+        if len(groups_in) != len(self.param_groups):
+            raise ValueError(f"{where}: the state dict has {len(groups_in)} param groups, "
+                             f"this optimizer {len(self.param_groups)}")
+        pairs = []
+        for i, (saved, group) in enumerate(zip(groups_in, self.param_groups)):
+            if "seed" not in saved:
+                raise ValueError(
+                    f"{where}: param_groups[{i}] has no 'seed', so this is not an AdamWSR state "
+                    "dict (a torch.optim.AdamW one has none). Convert it explicitly with "
+                    "AdamWSR.convert_adamw_state_dict(state_dict, seed=...) and load the result")
+            _check_hparams(saved.get("lr"), saved.get("betas"), saved.get("eps"),
+                           saved.get("weight_decay"), saved["seed"])
+            if (saved.get("base_index") is None) != (group.get("base_index") is None):
+                raise ValueError(
+                    f"{where}: param_groups[{i}] 'base_index' is {saved.get('base_index')!r} in "
+                    f"the state dict but {group.get('base_index')!r} in this optimizer; the random "
+                    "draws depend on it, so both must set it or neither")
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(f"{where}: param_groups[{i}] has {len(saved['params'])} "
+                                 f"parameters in the state dict, {len(group['params'])} here")
+            pairs += zip(saved["params"], group["params"])
+        known = {pid for pid, _ in pairs}
+        for pid in state_in:
+            if pid not in known:
+                raise ValueError(f"{where}: state for parameter {pid!r}, which no param group lists")
         moments: dict = {}
-        state_in = state_dict["state"]
         stripped = {}
-        for pid, st in state_in.items():
-            st = dict(st)
-            moments[pid] = {k: st.pop(k) for k in ("exp_avg", "exp_avg_sq") if k in st}
-            stripped[pid] = st
+        for pid, p in pairs:
+            if pid in state_in:
+                step, moments[pid] = _checked_state(where, pid, state_in[pid], p)
+                stripped[pid] = {"step": step}
         super().load_state_dict({**state_dict, "state": stripped})
-        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for pid, p in zip(saved_ids, params):
-            if pid not in state_in:
-                continue
-            st = self.state[p]
-            for k, v in moments[pid].items():
-                if v.shape != p.shape:
-                    raise ValueError(f"AdamWSR.load_state_dict: {k} of parameter {pid} has shape "
-                                     f"{tuple(v.shape)}, the parameter {tuple(p.shape)}")
-                st[k] = v.to(device=p.device, dtype=torch.float32,
-                             memory_format=torch.contiguous_format, copy=True)
+        for pid, p in pairs:
+            if pid in moments:
+                st = self.state[p]
+                st["step"] = st["step"].to(device="cpu", dtype=torch.int64).reshape(())
+                for k, v in moments[pid].items():
+                    st[k] = v.to(device=p.device, dtype=torch.float32,
+                                 memory_format=torch.contiguous_format, copy=True)
+
+    @staticmethod
+    def convert_adamw_state_dict(state_dict: dict, *, seed: int) -> dict:
+        """An AdamWSR state dict that continues a ``torch.optim.AdamW`` one.
+
+        The rule: ``lr``, ``betas``, ``eps`` and ``weight_decay`` are kept, ``seed`` is added;
+        torch's kernel-choice flags (``foreach``, ``fused``, ``capturable``,
+        ``differentiable``) are dropped; ``amsgrad=True`` and ``maximize=True`` are refused
+        (AdamWSR has neither), as is ``decoupled_weight_decay=False`` (that is Adam's L2
+        decay). ``step`` becomes an int64 (it must be a whole number >= 0) and the moments are
+        widened exactly to fp32. No ``base_index`` is added. The result goes to
+        :meth:`load_state_dict`, which checks it like any other.
+        """
+        where = "AdamWSR.convert_adamw_state_dict"
+        groups = []
+        for i, g in enumerate(state_dict["param_groups"]):
+            for flag, bad in (("amsgrad", True), ("maximize", True), ("decoupled_weight_decay", False)):
+                if g.get(flag, not bad) == bad:
+                    raise ValueError(f"{where}: param_groups[{i}] has {flag}={bad}, which "
+                                     "AdamWSR does not implement")
+            groups.append({"params": list(g["params"]), "lr": g["lr"], "betas": tuple(g["betas"]),
+                           "eps": g["eps"], "weight_decay": g["weight_decay"], "seed": seed})
+        state = {}
+        for pid, st in state_dict["state"].items():
+            st = dict(st)
             if "step" in st:
-                step = torch.as_tensor(st["step"]).detach()
-                st["step"] = step.to(device="cpu", dtype=torch.int64).reshape(())
+                st["step"] = torch.tensor(_checked_step(where, pid, st["step"]), dtype=torch.int64)
+            for k in ("exp_avg", "exp_avg_sq"):
+                if isinstance(st.get(k), torch.Tensor) and st[k].is_floating_point():
+                    st[k] = st[k].to(torch.float32)
+            state[pid] = st
+        return {"state": state, "param_groups": groups}
+
+
+_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+
+def _checked_step(where: str, pid: Any, step: Any) -> int:
+    """A saved step counter as an int in [0, 2**63): an integer, or a whole-valued float
+    (torch.optim.AdamW saves ``step`` as a float tensor)."""
+    value = step
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex():
+            raise ValueError(f"{where}: 'step' of parameter {pid!r} must be one real number, "
+                             f"got a {value.dtype} tensor of shape {tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, float) and math.isfinite(value) and value == int(value):
+        value = int(value)
+    n = as_index(value)
+    if n is None or not 0 <= n < 1 << 63:
+        raise ValueError(f"{where}: 'step' of parameter {pid!r} must be an integer in "
+                         f"[0, 2**63), got {step!r}")
+    return n
+
+
+def _checked_state(where: str, pid: Any, st: Any, p: torch.Tensor) -> tuple:
+    """(step as an int64 tensor, {moment name: tensor}) after checking one parameter's state."""
+    if not isinstance(st, dict):
+        raise ValueError(f"{where}: the state of parameter {pid!r} must be a dict, "
+                         f"got {type(st).__name__}")
+    missing = [k for k in _STATE_KEYS if k not in st]
+    if missing:
+        raise ValueError(f"{where}: the state of parameter {pid!r} has no {missing[0]!r} "
+                         f"(expected {list(_STATE_KEYS)})")
+    extra = sorted(str(k) for k in st if k not in _STATE_KEYS)
+    if extra:
+        raise ValueError(f"{where}: the state of parameter {pid!r} has unexpected entries "
+                         f"{extra} (AdamWSR keeps only {list(_STATE_KEYS)})")
+    step = torch.tensor(_checked_step(where, pid, st["step"]), dtype=torch.int64)
+    moments = {}
+    for k in ("exp_avg", "exp_avg_sq"):
+        v = st[k]
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f"{where}: {k} of parameter {pid!r} must be a tensor, "
+                             f"got {type(v).__name__}")
+        if v.dtype != torch.float32:
+            raise ValueError(f"{where}: {k} of parameter {pid!r} must be float32, got {v.dtype}")
+        if v.layout != torch.strided or v.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{where}: {k} of parameter {pid!r} must be a dense tensor on the "
+                             f"CPU or a CUDA GPU, got {v.layout} on {v.device}")
+        if v.shape != p.shape:
+            raise ValueError(f"{where}: {k} of parameter {pid!r} has shape {tuple(v.shape)}, "
+                             f"the parameter {tuple(p.shape)}")
+        moments[k] = v
+    return step, moments
 
 
 def stochastic_round_bf16(x: torch.Tensor, seed: int, step: int = 0,

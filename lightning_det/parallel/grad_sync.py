@@ -9,8 +9,9 @@ import torch.distributed as dist
 from ..nn.step_state import StepState
 from ..ops import det_finalize, to_digits
 from ..ops.exact_scalar import pow2_scale_exp
-from ..ops.distributed import det_all_reduce_windowed
-from ..profile import WORDS
+from ..ops.args import as_index
+from ..ops.distributed import check_rank_agreement, det_all_reduce_windowed
+from ..profile import PROFILE, WORDS
 
 __all__ = ["sync_gradients", "grad_scale_exp"]
 
@@ -66,6 +67,10 @@ def sync_gradients(
     A parameter with pending digits or an eager gradient and also an ordinary nonzero ``.grad``
     raises: the two cannot be combined with one rounding (an all-zero ``.grad`` is dropped).
 
+    With several ranks, every rank must bring the same parameter shapes and dtypes in the
+    same order (and the same ``scale_exp`` and ``bucket_elements``); otherwise every rank
+    raises, naming the first parameter that differs and its two shapes.
+
     Returns:
         {"exact": n, "rounded_only": n, "elements": n, "bytes": n, "fallback_elements": n, "eager": n}
         for logging and benchmarks; "bytes" is what the all-reduces moved together (the window
@@ -77,6 +82,10 @@ def sync_gradients(
         raise TypeError(f"state: expected a StepState, got {type(state).__name__}")
     if bucket_elements < 1:
         raise ValueError(f"bucket_elements: expected a positive element count, got {bucket_elements}")
+    exp = as_index(scale_exp)  # a NumPy integer too; a plain int in the rank agreement's entries
+    if exp is None or not -64 <= exp <= 0:
+        raise ValueError(f"scale_exp: expected an integer in [-64, 0], got {scale_exp!r}")
+    scale_exp = exp
     params = [p for p in params if p.requires_grad]
     stats = {"exact": 0, "rounded_only": 0, "elements": 0, "bytes": 0, "fallback_elements": 0, "eager": 0}
     if not params:
@@ -129,13 +138,21 @@ def sync_gradients(
                 round_into_grad(p, digits_of(p))
         state.clear_forward_uses()
         return stats
+    # One small all-reduce for the whole sync: the buckets and their windows follow from
+    # these entries, so the per-bucket reduces skip their own check.
+    check_rank_agreement(
+        "sync_gradients",
+        [("profile", PROFILE), ("scale_exp", scale_exp), ("bucket_elements", bucket_elements),
+         ("number of parameters with requires_grad", len(params))]
+        + [(f"params[{i}] (shape, dtype)", (tuple(p.shape), str(p.dtype))) for i, p in enumerate(params)],
+        params[0].device, group)
     for bucket in _buckets(params, bucket_elements):
         parts = [digits_of(p).reshape(-1, WORDS) for p in bucket]
         flat = parts[0] if len(parts) == 1 else torch.cat(parts)
         del parts
         # each block of elements travels in the bit window it uses (exact; see det_all_reduce_windowed)
         sync: dict = {}
-        flat, _ = det_all_reduce_windowed(flat, group, stats=sync)
+        flat, _ = det_all_reduce_windowed(flat, group, stats=sync, check=False)
         stats["bytes"] += sync.get("bytes", 0)
         stats["fallback_elements"] += sync.get("fallback_elements", 0)
         offset = 0

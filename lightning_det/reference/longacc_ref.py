@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ..profile import LSB_EXP, NDIGITS, STATUS_BITS, WORDS
+from ..profile import LSB_EXP, NDIGITS, STATUS_BITS, TOP_BITS, WORDS
 
 SCALE = -LSB_EXP  # 298
 HALF = 149  # every fp32/bf16/fp16 value is an integer multiple of 2^-149
@@ -91,10 +91,16 @@ def round_sum(s: ExactSum, dtype: torch.dtype = torch.float32) -> float:
 
 
 def digits_of(s: ExactSum) -> List[int]:
-    """Canonical LongAcc words of an exact sum: digits 0..16 in [0, 2^32), digit 17 signed."""
-    words = [(s.n >> (32 * i)) & 0xFFFFFFFF for i in range(NDIGITS - 1)]
-    words.append(s.n >> (32 * (NDIGITS - 1)))  # Python's >> floors, like the carry rule
-    status = int(s.nan) | (int(s.pinf) << STATUS_BITS) | (int(s.ninf) << (2 * STATUS_BITS))
+    """Canonical LongAcc words of an exact sum: digits 0..16 in [0, 2^32), digit 17 signed and
+    inside (-2^TOP_BITS, 2^TOP_BITS); a sum beyond that range is an overflow to +-inf."""
+    top = s.n >> (32 * (NDIGITS - 1))  # Python's >> floors, like the carry rule
+    pinf, ninf = s.pinf, s.ninf
+    if abs(top) >= 1 << TOP_BITS:
+        pinf, ninf = pinf or top > 0, ninf or top < 0
+        words = [0] * NDIGITS
+    else:
+        words = [(s.n >> (32 * i)) & 0xFFFFFFFF for i in range(NDIGITS - 1)] + [top]
+    status = int(s.nan) | (int(pinf) << STATUS_BITS) | (int(ninf) << (2 * STATUS_BITS))
     words.append(status)
     assert len(words) == WORDS
     return words

@@ -42,6 +42,7 @@ from typing_extensions import override
 from ..nn.function_mode import det_function_mode
 from ..nn.grad_digits import set_grad_digits
 from ..nn.step_state import StepState
+from ..ops.args import as_index
 from ..parallel.audit import OpAudit
 from ..parallel.env import apply_strict_environment
 from ..parallel.grad_sync import grad_scale_exp, sync_gradients
@@ -107,7 +108,10 @@ class DeterministicStrategy(DDPStrategy):
             kwargs["checkpoint_io"] = AtomicCheckpointIO()
         super().__init__(*args, **kwargs)
         self.strict = strict
-        self.seed = seed
+        seed_int = as_index(seed)  # a Python or NumPy integer; a float is refused, not truncated
+        if seed_int is None:
+            raise TypeError(f"seed: expected an integer, got {type(seed).__name__} {seed!r}")
+        self.seed = seed_int
         self.audit = audit
         self.eager_rounding = bool(eager_rounding)
         self.gemm_plans = gemm_plans
