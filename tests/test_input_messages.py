@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from lightning_det.data.sampler import DeterministicSampler
-from lightning_det.nn import DetEmbedding
+from lightning_det.nn import DetEmbedding, StepState, StepStateMode
 from lightning_det.ops import det_finalize, det_gemm_partial
-from lightning_det.ops.deferred_checks import DeferredChecks, deferring_checks
 
 
 def test_embedding_index_out_of_range_names_the_input_and_the_range():
@@ -25,17 +24,17 @@ def test_embedding_index_out_of_range_names_the_input_and_the_range():
 def test_embedding_index_check_is_deferred_inside_a_training_step():
     emb = DetEmbedding(10, 4)
     idx = torch.tensor([3, 12, 9])
-    checks = DeferredChecks()
-    with deferring_checks(checks):
+    state = StepState()
+    with StepStateMode(state):  # as det_ddp's training step holds it
         out = emb(idx)  # no raise yet, no out-of-range read
         out.sum().backward()
     assert out[1].isnan().all() and torch.equal(out[[0, 2]], emb.weight[[3, 9]].detach())
     with pytest.raises(IndexError, match=r"outside \[0, 10\) .* e\.g\. 12 \(found when det_ddp resolved"):
-        checks.resolve()
-    good = DeferredChecks()
-    with deferring_checks(good):
+        state.checks.resolve()
+    good = StepState()
+    with StepStateMode(good):
         emb(torch.tensor([0, 9]))
-    good.resolve()
+    good.checks.resolve()
 
 
 def test_numpy_integers_are_accepted_as_scale_exp_and_seed():
