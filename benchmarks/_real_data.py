@@ -50,7 +50,7 @@ GEMMS = {
 }
 
 
-def _gpt_char():
+def gpt_char_module():
     """examples/gpt_char.py as a module (examples/ is not a package)."""
     name = "_ldet_example_gpt_char"
     if name not in sys.modules:
@@ -91,7 +91,7 @@ def _hook_linears(model, store):
 def capture(**overrides):
     """{"layers": {name: {"act", "grad", "weight"}}, "meta": {...}} from the procedure in the module doc."""
     cfg = dict(CAPTURE, **overrides)
-    gpt = _gpt_char()
+    gpt = gpt_char_module()
     t0 = time.perf_counter()
     vocab, train_ds, _ = gpt.make_data(cfg["seq_len"], cfg["max_chars"], val_windows=1)
     with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG as it was

@@ -9,9 +9,10 @@
 // exponent spread + 22 - kSplitBits), so a pair of pieces fits the fast path's 46-bit budget
 // (LDET_FAST_SPREAD) on ordinary data. Splitting each value at its own 12th bit instead left the
 // low pieces as wide as the block's exponent spread + 11; on real activations and gradients
-// 17-87% of the GPU kernel's warp-blocks then fell back to output-by-output sums
-// (benchmarks/simulate_paths.py). kSplitBits = 17 measured best there: 16-20 keep xh.wh inside
-// the budget, and a larger value leaves less room for the spread of rows in one thread group.
+// 17-87% of the GPU kernel's warp-blocks then fell back to output-by-output sums (as a
+// simulation of its per-warp checks showed). kSplitBits = 17 measured best there: 16-20 keep
+// xh.wh inside the budget, and a larger value leaves less room for the spread of rows in one
+// thread group.
 // Only speed depends on this choice: the exact sum over the 4K columns equals the exact sum over
 // the K original ones, so the canonical digits (and every byte of output) are unchanged.
 // Not used when an input holds inf/NaN: a split inf would meet a zero piece (inf x 0 = NaN).
