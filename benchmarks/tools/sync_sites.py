@@ -7,7 +7,7 @@ A host synchronization drains the GPU's queue; the host then has to launch the n
 the GPU idles, so a step with many of them is host-bound even when its GPU work is far shorter
 than its wall time. This runs ddp_step.py's model (width 1024, batch 4096)
 under DeterministicStrategy on one GPU, once per slice-plan mode (its gemm_plans: "sync", each
-GEMM reads its plan; "cached", guessed plans, lightning_det.ops.slices_guess; "default", the
+GEMM reads its plan; "cached", guessed plans (det_gemm's plans= argument); "default", the
 strategy's "auto": cached on CUDA), and during step 4 turns on
 torch.cuda.set_sync_debug_mode("warn"): PyTorch then warns at each synchronizing call it
 makes (copies to the host, .item(), .tolist(), torch.unique, nonzero, ...), and each warning's
