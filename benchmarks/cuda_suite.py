@@ -42,6 +42,7 @@ SPECS = [
     ("test_det_modules", "cuda"),
     ("test_detmath_reference", "cuda"),
     ("test_digest", "cuda"),
+    ("test_digit_bounds", ""),
     ("test_digest_callback", "cuda"),
     ("test_eager_rounding", "cuda"),
     ("test_fp64_route", ""),
