@@ -21,3 +21,17 @@ def test_fabric_exact_clipping_is_invariant():
     clipped = steps(1, 1, 0.05)
     assert clipped != steps(1, 1), "the clip value must actually clip"
     assert steps(2, 1, 0.05) == clipped
+
+
+def test_fabric_saves_through_the_atomic_checkpoint_io(tmp_path):
+    import torch
+
+    from lightning_det.strategy.checkpoint_io import AtomicCheckpointIO
+    from lightning_det.strategy.fabric import FabricDeterministicStrategy
+
+    io = FabricDeterministicStrategy().checkpoint_io  # what fabric.save writes through
+    assert isinstance(io, AtomicCheckpointIO)
+    path = tmp_path / "state.ckpt"
+    io.save_checkpoint({"w": torch.arange(4.0)}, path)
+    assert torch.equal(io.load_checkpoint(path)["w"], torch.arange(4.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.ckpt"]  # no temp file left behind

@@ -26,6 +26,7 @@ from ..parallel.env import apply_strict_environment
 from ..parallel.grad_sync import grad_scale_exp, sync_gradients
 from ..parallel.loss import feeds_global_loss
 from ..parallel.reduce import exact_reduce
+from .checkpoint_io import AtomicCheckpointIO
 
 __all__ = ["FabricDeterministicStrategy"]
 
@@ -48,6 +49,9 @@ class FabricDeterministicStrategy(FabricDDPStrategy):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.det_environment = apply_strict_environment()
+        if kwargs.get("checkpoint_io") is None:
+            # fabric.save must leave the previous checkpoint valid when a crash cuts it short
+            kwargs["checkpoint_io"] = AtomicCheckpointIO()
         super().__init__(*args, **kwargs)
         self.det_last_sync: dict = {}
         self.step_state = StepState()
