@@ -15,6 +15,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from lightning_det.ops import det_all_reduce, det_finalize  # noqa: E402
 from lightning_det.ops.distributed import det_all_reduce_windowed  # noqa: E402
+from lightning_det.nn import StepState  # noqa: E402
 from lightning_det.parallel.grad_sync import sync_gradients  # noqa: E402
 from lightning_det.profile import NDIGITS, TOP_BITS, WORDS  # noqa: E402
 
@@ -58,13 +59,13 @@ def main() -> None:
     expect_raise(rank, "windowed_block", lambda: det_all_reduce_windowed(torch.zeros(4, WORDS, dtype=torch.int64),
                                                                          block=16 + rank))
     shapes = [(3, 4), (7,), (2, 2 + rank)]
-    expect_raise(rank, "sync_shape", lambda: sync_gradients(params_with_grads(shapes)))
-    expect_raise(rank, "sync_count", lambda: sync_gradients(params_with_grads(shapes[: 2 + rank])))
+    expect_raise(rank, "sync_shape", lambda: sync_gradients(params_with_grads(shapes), StepState()))
+    expect_raise(rank, "sync_count", lambda: sync_gradients(params_with_grads(shapes[: 2 + rank]), StepState()))
     expect_raise(rank, "sync_dtype", lambda: sync_gradients(
-        params_with_grads([(3,)], torch.bfloat16 if rank == 1 else torch.float32)))
+        params_with_grads([(3,)], torch.bfloat16 if rank == 1 else torch.float32), StepState()))
 
     # The process group is still usable, and agreeing ranks still get the exact sum.
-    same = sync_gradients(params_with_grads([(3, 4), (7,)]))
+    same = sync_gradients(params_with_grads([(3, 4), (7,)]), StepState())
     say(f"rank {rank} case sync_agree: ok exact={same['exact'] + same['rounded_only']}")
 
     # Top digits that wrap int64 when summed word-wise: the sum is +-inf, never the other sign.
