@@ -103,9 +103,6 @@ class DeterministicStrategy(DDPStrategy):
             raise ValueError(f"gemm_plans: expected one of {sorted(_GEMM_PLANS)}, got {gemm_plans!r}")
         # Before anything touches CUDA or NCCL (the Trainer builds strategies first).
         self.det_environment = apply_strict_environment()
-        if kwargs.get("checkpoint_io") is None:
-            # A crash during a save must leave the previous checkpoint valid (temp + fsync + rename).
-            kwargs["checkpoint_io"] = AtomicCheckpointIO()
         super().__init__(*args, **kwargs)
         self.strict = strict
         seed_int = as_index(seed)  # a Python or NumPy integer; a float is refused, not truncated
@@ -126,12 +123,29 @@ class DeterministicStrategy(DDPStrategy):
     @property
     @override
     def precision_plugin(self) -> Precision:
-        return Strategy.precision_plugin.fget(self)
+        plugin = Strategy.precision_plugin.fget(self)  # Lightning's, or a plain one until it installs it
+        return exact_norm_clipping(plugin)
 
     @precision_plugin.setter
     def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
         # Whichever plugin Lightning hands over (it follows ``precision=``) clips by the exact norm.
-        Strategy.precision_plugin.fset(self, exact_norm_clipping(precision_plugin or Precision()))
+        # None stays None: the Trainer takes a plugin already on the strategy as the user's choice
+        # and would ignore ``precision=``.
+        wrapped = None if precision_plugin is None else exact_norm_clipping(precision_plugin)
+        Strategy.precision_plugin.fset(self, wrapped)
+
+    @property
+    @override
+    def checkpoint_io(self):
+        if self._checkpoint_io is None:
+            # A crash during a save must leave the previous checkpoint valid (temp + fsync +
+            # rename). Made here, not in __init__, so a CheckpointIO in ``plugins=`` still wins.
+            self._checkpoint_io = AtomicCheckpointIO()
+        return Strategy.checkpoint_io.fget(self)
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io) -> None:
+        Strategy.checkpoint_io.fset(self, io)
 
     @override
     def setup(self, trainer) -> None:

@@ -49,9 +49,6 @@ class FabricDeterministicStrategy(FabricDDPStrategy):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.det_environment = apply_strict_environment()
-        if kwargs.get("checkpoint_io") is None:
-            # fabric.save must leave the previous checkpoint valid when a crash cuts it short
-            kwargs["checkpoint_io"] = AtomicCheckpointIO()
         super().__init__(*args, **kwargs)
         self.det_last_sync: dict = {}
         self.step_state = StepState()
@@ -59,6 +56,19 @@ class FabricDeterministicStrategy(FabricDDPStrategy):
         # Private, but the one object fabric.no_backward_sync asks; DDPStrategy's would demand a
         # DistributedDataParallel wrapper, which this strategy never makes.
         self._backward_sync_control = _NothingToBlock()
+
+    @property
+    @override
+    def checkpoint_io(self):
+        if self._checkpoint_io is None:
+            # fabric.save must leave the previous checkpoint valid when a crash cuts it short;
+            # made here, not in __init__, so a CheckpointIO in ``plugins=`` still wins
+            self._checkpoint_io = AtomicCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io) -> None:
+        self._checkpoint_io = io
 
     def _sync(self, optimizer) -> None:
         if not self._synced:
