@@ -139,6 +139,20 @@ def commit() -> str:
         return "unknown"
 
 
+def call_peak_memory(step, device):
+    """(peak_bytes, extra_bytes) of one ``step()`` on CUDA, extra counted from what was allocated
+    just before it; (None, None) elsewhere (the CPU has no per-call peak)."""
+    if device != "cuda":
+        return None, None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    return peak, peak - before
+
+
 def time_fn(fn, device: str, warmup: int = 2, repeat: int = 5, min_time: float = 0.0) -> float:
     """Median seconds per call after warm-up; CUDA timed with events."""
     for _ in range(warmup):

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import time_fn, write  # noqa: E402
+from _common import call_peak_memory, time_fn, write  # noqa: E402
 
 from lightning_det.nn import det_scaled_dot_product_attention  # noqa: E402
 
@@ -80,16 +80,8 @@ def measure(fn, ctx, q, k, v, go, device, warmup, repeats):
 
     with ctx:
         ms = 1e3 * time_fn(step, device, warmup=warmup, repeat=repeats)
-        peak = extra = None
-        if device == "cuda":
-            q.grad = k.grad = v.grad = None
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            step()
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated()
-            extra = peak - before
+        q.grad = k.grad = v.grad = None  # "before" is then q, k, v alone
+        peak, extra = call_peak_memory(step, device)
         q.grad = k.grad = v.grad = None
         with torch.no_grad():
             out = fn(q, k, v, is_causal=True)

@@ -28,7 +28,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import time_fn, write  # noqa: E402
+from _common import call_peak_memory, time_fn, write  # noqa: E402
 
 from lightning_det.nn import DetLinear  # noqa: E402
 from lightning_det.ops import gemm_path  # noqa: E402
@@ -68,13 +68,7 @@ def peak_memory(layer, x, step, device):
         return None, None
     layer.zero_grad(set_to_none=True)  # "before" is then weights, x and gy alone
     x.grad = None
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    return peak, peak - before
+    return call_peak_memory(step, device)
 
 
 def measure(kind, dtype, tokens, fin, fout, device, repeat):
