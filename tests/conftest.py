@@ -39,6 +39,19 @@ def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
 SLICE_OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
+def at_thread_counts(fn, counts=(1, 2)) -> list:
+    """``fn()`` run once with each intra-op thread count, the caller's count restored after."""
+    before = torch.get_num_threads()
+    try:
+        out = []
+        for n in counts:
+            torch.set_num_threads(n)
+            out.append(fn())
+        return out
+    finally:
+        torch.set_num_threads(before)
+
+
 def both_paths(fn, slices="slices"):
     """fn() under gemm_path("kernel") and under gemm_path(slices): (kernel's, slices')."""
     from lightning_det.ops import gemm_path

@@ -3,7 +3,7 @@ import random
 
 import pytest
 import torch
-from conftest import assert_bitwise
+from conftest import assert_bitwise, at_thread_counts
 
 import gen
 from lightning_det.ops import det_combine, det_finalize, det_gemm, det_gemm_partial
@@ -87,14 +87,7 @@ def test_torch_mm_control_row_count():
 
 def test_thread_count_invariance():
     x, w = gen.wide_exponents((37, 250), -40, 40, seed=7), gen.normal((29, 250), seed=8)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = det_gemm_partial(x, w)
-        torch.set_num_threads(2)
-        two = det_gemm_partial(x, w)
-    finally:
-        torch.set_num_threads(before)
+    one, two = at_thread_counts(lambda: det_gemm_partial(x, w))
     assert torch.equal(one, two)
 
 

@@ -6,7 +6,7 @@ alpha in bf16, pow with exponent 2.5) the same method finds it: the controls bel
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_bitwise
+from conftest import assert_bitwise, at_thread_counts
 
 from lightning_det.parallel import OpAudit
 from lightning_det.parallel.audit import CPU_EQ_CUDA, ONE_DEVICE, PROJECT_OPS, VERIFIED_OPS
@@ -76,14 +76,7 @@ def _assert_rows_invariant(run, x, o, what):
 def _assert_thread_invariant(run, x, o, what):
     """The same elements in one big tensor with 1 and with 2 threads (chunks with their own tails)."""
     big_x, big_o = x.repeat(4, 1)[:, :-2], o.repeat(4, 1)[:, :-2]  # > 32768 elements, odd width
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = run(big_x, big_o)
-        torch.set_num_threads(2)
-        two = run(big_x, big_o)
-    finally:
-        torch.set_num_threads(before)
+    one, two = at_thread_counts(lambda: run(big_x, big_o))
     for a, b in zip(one, two):
         assert_bitwise(a, b, f"{what} threads")
 
