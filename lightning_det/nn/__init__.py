@@ -10,7 +10,7 @@ from .grad_digits import finalize_grad_digits, set_grad_digits
 from .linear import DetLinear
 from .loss import det_cross_entropy
 from .norm import DetLayerNorm, DetRMSNorm
-from .step_state import StepState, StepStateMode, current_step_state
+from .step_state import BatchPosition, StepState, StepStateMode, current_step_state
 from .transform import DET_MODULES, UnsupportedModuleError, det_transform, register_det_module
 from .verified import VERIFIED_FUNCTIONS, VERIFIED_MODULES
 
@@ -41,6 +41,7 @@ __all__ = [
     "DET_MODULES",
     "VERIFIED_MODULES",
     "VERIFIED_FUNCTIONS",
+    "BatchPosition",
     "StepState",
     "StepStateMode",
     "current_step_state",

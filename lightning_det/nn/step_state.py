@@ -11,6 +11,12 @@ reads it back when the step's gradients are rounded. It holds:
 - eager rounding (``eager``) and what it needs: forward-use counts and gradients rounded in the
   backward, waiting for the owner;
 - ``checks``: value checks of the step's inputs, resolved by the owner (DeferredChecks);
+- ``position``: where this process's micro-batch sits in the optimizer step's global batch
+  (:class:`BatchPosition`), which keyed dropout and global-batch statistics need; None outside a
+  training step;
+- ``reduce_digits``: returns a LongAcc's exact sum over every rank (the strategy's exact
+  all-reduce; the identity at world size 1), for statistics that cross ranks inside the forward
+  or backward;
 - ``global_mean_used``: whether a global loss (:func:`lightning_det.global_mean`) was
   back-propagated (the strategy sets it from
   :func:`lightning_det.parallel.loss.feeds_global_loss`), so it skips its 1/N gradient scale.
@@ -28,6 +34,7 @@ graph, a checkpointed segment recomputed after the rounding) raises instead of r
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -37,7 +44,37 @@ from ..ops import LongAcc, det_combine, det_normalize
 from ..ops.deferred_checks import DeferredChecks
 from ..ops.longacc import _plans_arg, check_acc
 
-__all__ = ["StepState", "StepStateMode", "current_step_state"]
+__all__ = ["BatchPosition", "StepState", "StepStateMode", "current_step_state"]
+
+
+@dataclass(frozen=True)
+class BatchPosition:
+    """Where one process's micro-batch sits in its optimizer step's global batch.
+
+    The global batch of a step is ``accumulation * world_size`` micro-batches of ``size`` samples,
+    ordered micro-batch by micro-batch, rank by rank (DeterministicSampler's order). Sample ``i``
+    of this micro-batch is global sample ``offset + i`` of the step, at every world size and split.
+
+    Args:
+        step: the optimizer step the micro-batch belongs to (0-based).
+        offset: global index, within the step, of this micro-batch's first sample.
+        size: samples in this process's micro-batch.
+        global_size: samples in the global micro-batch (every rank's current micro-batch together:
+            ``size * world_size``); ``offset - offset % global_size`` is where it starts.
+    """
+
+    step: int
+    offset: int
+    size: int
+    global_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("step", "offset", "size", "global_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name}: expected an integer >= 0, got {v!r}")
+        if self.size < 1 or self.global_size < self.size:
+            raise ValueError(f"size, global_size: expected 1 <= size <= global_size, got {self.size}, {self.global_size}")
 
 
 class StepState:
@@ -53,6 +90,8 @@ class StepState:
         self.plans = plans
         self.eager = False
         self.global_mean_used = False
+        self.position: Optional[BatchPosition] = None
+        self.reduce_digits: Callable[[LongAcc], LongAcc] = _no_reduce
         self.checks = DeferredChecks()
         # id(param) -> [param, digits, owned]: owned = made or handed over here, so writable
         self._digits: Dict[int, list] = {}
@@ -189,6 +228,11 @@ class StepState:
         its 1/N scale)."""
         used, self.global_mean_used = self.global_mean_used, False
         return used
+
+
+def _no_reduce(acc: LongAcc) -> LongAcc:
+    """One process: the sum over ranks is the process's own value."""
+    return acc
 
 
 class StepStateMode(TorchFunctionMode):

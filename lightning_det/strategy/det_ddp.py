@@ -41,7 +41,8 @@ from typing_extensions import override
 
 from ..nn.function_mode import det_function_mode
 from ..nn.grad_digits import set_grad_digits
-from ..nn.step_state import StepState
+from ..nn.step_state import BatchPosition, StepState
+from ..ops.distributed import det_all_reduce
 from ..ops.args import as_index
 from ..parallel.audit import OpAudit
 from ..parallel.env import apply_strict_environment
@@ -118,6 +119,8 @@ class DeterministicStrategy(DDPStrategy):
         self._audited = False
         # the step's state, passed to the det modules (set_grad_digits) and to the function modes
         self.step_state = StepState()
+        self.step_state.reduce_digits = self._reduce_digits
+        self._micro_batch_size: Optional[int] = None  # per rank, set with the training sampler
 
     # ---- set-up --------------------------------------------------------------------------
     @property
@@ -196,6 +199,7 @@ class DeterministicStrategy(DDPStrategy):
             raise ValueError("dataloader: det_ddp needs a DataLoader with a batch_size (per-rank micro-batch)")
         from ..data.sampler import DeterministicSampler
 
+        self._micro_batch_size = dataloader.batch_size
         if isinstance(dataloader.sampler, DeterministicSampler):
             return dataloader
         shuffle = isinstance(dataloader.sampler, RandomSampler) or (
@@ -261,10 +265,27 @@ class DeterministicStrategy(DDPStrategy):
         # are decided at once)
         return det_function_mode(strict=self.strict, loss_reduce=global_loss_reduce, state=state)
 
+    def _reduce_digits(self, acc):
+        return det_all_reduce(acc) if self.world_size > 1 else acc
+
+    def _batch_position(self, batch_idx: Optional[int]) -> Optional[BatchPosition]:
+        """Where this rank's micro-batch ``batch_idx`` sits in its step's global batch (the
+        DeterministicSampler's order), or None where the sampler is not det_ddp's."""
+        size = self._micro_batch_size
+        trainer = self.lightning_module._trainer
+        if size is None or trainer is None or not isinstance(batch_idx, int):
+            return None
+        global_size = size * self.world_size
+        micro = batch_idx % max(1, int(trainer.accumulate_grad_batches))
+        return BatchPosition(step=int(trainer.global_step), offset=micro * global_size + self.global_rank * size,
+                             size=size, global_size=global_size)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # value checks of the step's inputs wait for optimizer_step instead of synchronizing the
         # host in the forward (the step state's checks, lightning_det.ops.deferred_checks)
+        batch_idx = kwargs.get("batch_idx", args[1] if len(args) > 1 else None)
+        self.step_state.position = self._batch_position(batch_idx)
         try:
             with self._function_mode(self.step_state):
                 out = super().training_step(*args, **kwargs)
