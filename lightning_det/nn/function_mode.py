@@ -30,9 +30,6 @@ class _DetFunctionMode(StepStateMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is F.scaled_dot_product_attention:
-            if kwargs.pop("enable_gqa", False):
-                raise ValueError("enable_gqa: det attention does not support grouped-query attention; "
-                                 "repeat the key/value heads first")
             state = self.ldet_step_state
             return det_scaled_dot_product_attention(*args, plans="default" if state is None else state.plans, **kwargs)
         if func is F.cross_entropy:
