@@ -1,0 +1,96 @@
+"""det_ddp against plain training on the model zoo (tests/zoo_models.py): step time per model.
+
+    python benchmarks/zoo_step.py                              # CPU, 2 processes (gloo)
+    python benchmarks/zoo_step.py --accelerator gpu --devices 1
+
+Each strategy is one launch of tests/zoo_harness.py (the zoo test's harness, so the models,
+data, det_transform and optimizer (AdamWSR; plain runs take torch's AdamW) are the tested ones), which fits every model for
+--steps steps; rank 0 times each optimizer step (synchronized on CUDA). Reported: the median
+step time after --warmup steps, per model and strategy, and their ratio. Plain is Lightning's
+"ddp" (one device: "auto") on the unchanged model. Writes benchmarks/results/<device>-zoo_step.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+from _common import write  # noqa: E402
+from zoo_models import ZOO  # noqa: E402
+
+HARNESS = HERE.parent / "tests" / "zoo_harness.py"
+
+
+def launch(args, strategy: str, models: list, out: Path) -> None:
+    cmd = [sys.executable, str(HARNESS), "--models", ",".join(models), "--devices", str(args.devices),
+           "--accelerator", args.accelerator, "--strategy", strategy, "--steps", str(args.steps),
+           "--global-batch", str(args.global_batch), "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, env=env, cwd=HERE.parent, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0 and not out.exists():
+        raise RuntimeError(f"{strategy} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+def medians(path: Path, warmup: int) -> dict:
+    by_model, errors = {}, {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        if "error" in r:
+            errors[r["model"]] = r["error"]
+        elif r["step"] > warmup:
+            by_model.setdefault(r["model"], []).append(r["step_s"])
+    return {m: statistics.median(t) for m, t in by_model.items()}, errors
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
+    p.add_argument("--devices", type=int, default=None, help="default: 2 on the CPU, 1 on the GPU")
+    p.add_argument("--models", default=",".join(ZOO))
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3, help="steps before the timed ones")
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process")
+    p.add_argument("--timeout", type=int, default=3000)
+    args = p.parse_args()
+    if args.devices is None:
+        args.devices = 2 if args.accelerator == "cpu" else 1
+    models = args.models.split(",")
+    tmp = Path(tempfile.mkdtemp(prefix="ldet-zoo-step-"))
+    times, errors = {}, {}
+    for strategy in ("ddp", "det_ddp"):
+        out = tmp / f"{strategy}.jsonl"
+        launch(args, strategy, models, out)
+        times[strategy], errors[strategy] = medians(out, args.warmup)
+    rows = []
+    for m in models:
+        plain, det = times["ddp"].get(m), times["det_ddp"].get(m)
+        rows.append({"model": m, "plain_step_ms": None if plain is None else plain * 1e3,
+                     "det_step_ms": None if det is None else det * 1e3,
+                     "ratio": None if plain is None or det is None else det / plain,
+                     "error": errors["det_ddp"].get(m) or errors["ddp"].get(m)})
+        print(f"{m:12s} plain {rows[-1]['plain_step_ms']} ms  det {rows[-1]['det_step_ms']} ms  "
+              f"ratio {rows[-1]['ratio']}" + (f"  ERROR {rows[-1]['error'][:200]}" if rows[-1]["error"] else ""))
+    device = "cuda" if args.accelerator == "gpu" else "cpu"
+    path = write("zoo_step", device, rows, extra={
+        "devices": args.devices, "global_batch": args.global_batch, "steps": args.steps, "warmup": args.warmup,
+        "threads_per_process": args.threads,
+        "det": "det_ddp (strict), det_transform, AdamWSR",
+        "plain": "Lightning ddp (1 device: auto), the unchanged model, torch AdamW"})
+    print(path)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()
