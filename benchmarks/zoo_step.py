@@ -7,7 +7,10 @@ Each strategy is one launch of tests/zoo_harness.py (the zoo test's harness, so 
 data, det_transform and optimizer (AdamWSR; plain runs take torch's AdamW) are the tested ones), which fits every model for
 --steps steps; rank 0 times each optimizer step (synchronized on CUDA). Reported: the median
 step time after --warmup steps, per model and strategy, and their ratio. Plain is Lightning's
-"ddp" (one device: "auto") on the unchanged model. Writes benchmarks/results/<device>-zoo_step.json.
+"ddp" (one device: "auto") on the unchanged model. On the GPU it also runs det_ddp on the CPU
+(one process) and reports, per model, whether every step's parameters, buffers and optimizer
+state have the same bytes on both devices (``cpu_equals_cuda``) and the first step that differs.
+Writes benchmarks/results/<device>-zoo_step.json.
 """
 from __future__ import annotations
 
@@ -32,14 +35,24 @@ from zoo_models import ZOO  # noqa: E402
 HARNESS = HERE.parent / "tests" / "zoo_harness.py"
 
 
-def launch(args, strategy: str, models: list, out: Path) -> None:
-    cmd = [sys.executable, str(HARNESS), "--models", ",".join(models), "--devices", str(args.devices),
-           "--accelerator", args.accelerator, "--strategy", strategy, "--steps", str(args.steps),
+def launch(args, strategy: str, models: list, out: Path, accelerator: str = None, devices: int = None) -> None:
+    cmd = [sys.executable, str(HARNESS), "--models", ",".join(models), "--devices", str(devices or args.devices),
+           "--accelerator", accelerator or args.accelerator, "--strategy", strategy, "--steps", str(args.steps),
            "--global-batch", str(args.global_batch), "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, env=env, cwd=HERE.parent, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0 and not out.exists():
         raise RuntimeError(f"{strategy} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+def states(path: Path) -> dict:
+    """{model: [(params, buffers, optimizer state) SHA-256 of every step]}."""
+    out = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        if "error" not in r:
+            out.setdefault(r["model"], []).append((r["params_sha256"], r["buffers_sha256"], r["optim_sha256"]))
+    return out
 
 
 def medians(path: Path, warmup: int) -> dict:
@@ -73,19 +86,28 @@ def main():
         out = tmp / f"{strategy}.jsonl"
         launch(args, strategy, models, out)
         times[strategy], errors[strategy] = medians(out, args.warmup)
+    cross = {}
+    if args.accelerator == "gpu":
+        launch(args, "det_ddp", models, tmp / "det_cpu.jsonl", accelerator="cpu", devices=1)
+        on_cpu, on_gpu = states(tmp / "det_cpu.jsonl"), states(tmp / "det_ddp.jsonl")
+        for m in models:
+            a, b = on_cpu.get(m), on_gpu.get(m)
+            if a and b:
+                first = next((i + 1 for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                cross[m] = {"cpu_equals_cuda": first is None and len(a) == len(b), "first_differing_step": first}
     rows = []
     for m in models:
         plain, det = times["ddp"].get(m), times["det_ddp"].get(m)
         rows.append({"model": m, "plain_step_ms": None if plain is None else plain * 1e3,
                      "det_step_ms": None if det is None else det * 1e3,
                      "ratio": None if plain is None or det is None else det / plain,
-                     "error": errors["det_ddp"].get(m) or errors["ddp"].get(m)})
+                     "error": errors["det_ddp"].get(m) or errors["ddp"].get(m), **cross.get(m, {})})
         print(f"{m:12s} plain {rows[-1]['plain_step_ms']} ms  det {rows[-1]['det_step_ms']} ms  "
               f"ratio {rows[-1]['ratio']}" + (f"  ERROR {rows[-1]['error'][:200]}" if rows[-1]["error"] else ""))
     device = "cuda" if args.accelerator == "gpu" else "cpu"
     path = write("zoo_step", device, rows, extra={
         "devices": args.devices, "global_batch": args.global_batch, "steps": args.steps, "warmup": args.warmup,
-        "threads_per_process": args.threads,
+        "threads_per_process": args.threads, "world_size_1_devices_compared": bool(cross),
         "det": "det_ddp (strict), det_transform, AdamWSR",
         "plain": "Lightning ddp (1 device: auto), the unchanged model, torch AdamW"})
     print(path)
