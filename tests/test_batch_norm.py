@@ -184,3 +184,56 @@ def test_errors_are_clear():
 
     with pytest.raises(ValueError, match="batch_norm_group_size: expected None or an integer >= 1"):
         DeterministicStrategy(batch_norm_group_size=0)
+
+
+def _rank_run(bn, x, gy, state):
+    set_grad_digits(bn, state)
+    xs = x.clone().requires_grad_()
+    y = bn(xs)
+    y.backward(gy)
+    digits = [state.grad_digits(p) for p in (bn.weight, bn.bias)]
+    return y.detach(), xs.grad, digits, bn.running_mean.clone(), bn.running_var.clone()
+
+
+@pytest.mark.parametrize("group", [None, 2])
+def test_two_ranks_in_threads_equal_one_process(group):
+    # Two "ranks" as threads, each with its half of the batch and a reduce_digits that adds both
+    # ranks' digits (what det_all_reduce does): the same bytes as one process with the whole batch.
+    # Groups of 2 over ranks of 3 samples give uneven pieces and a group that crosses the ranks.
+    import threading
+
+    from lightning_det.ops import det_combine, det_finalize
+
+    g = torch.Generator().manual_seed(12)
+    x, gy = torch.randn(6, 4, 3, 5, generator=g) * 2 + 1, torch.randn(6, 4, 3, 5, generator=g)
+    whole = _rank_run(_bn(DetBatchNorm2d, 4), x, gy, _state(0, 6, 6, group))
+    barrier, slots, results = threading.Barrier(2), [None, None], [None, None]
+
+    def rank(r):
+        def reduce(acc):
+            slots[r] = acc
+            barrier.wait()
+            total = det_combine(slots)
+            barrier.wait()
+            return total
+
+        st = _state(3 * r, 3, 6, group)
+        st.reduce_digits = reduce
+        results[r] = _rank_run(_bn(DetBatchNorm2d, 4), x[3 * r:3 * r + 3], gy[3 * r:3 * r + 3], st)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    r0, r1 = results
+    assert torch.equal(torch.cat([r0[0], r1[0]]), whole[0]), "y"
+    assert torch.equal(torch.cat([r0[1], r1[1]]), whole[1]), "dX"
+    for i, name in enumerate(("dW", "db")):
+        assert torch.equal(det_finalize(det_combine([r0[2][i], r1[2][i]])), det_finalize(whole[2][i])), name
+    for i in (3, 4):
+        assert torch.equal(r0[i], whole[i]) and torch.equal(r1[i], whole[i]), "running statistics"
+    # control: each rank normalizing its own 3 samples (no reduction) differs
+    alone = _rank_run(_bn(DetBatchNorm2d, 4), x[:3], gy[:3], _state(0, 3, 3, None))
+    if group is None:
+        assert not torch.equal(alone[0], whole[0][:3])

@@ -160,3 +160,36 @@ def test_unsupported_options_raise_clearly():
         det_conv2d(x, torch.randn(4, 4, 3, 3), dilation=3)
     with pytest.raises(ValueError, match="input: expected a 4-D"):
         det_conv2d(x[0], torch.randn(4, 4, 3, 3))
+
+
+def test_in_place_ops_on_the_output_work():
+    conv = det_transform(nn.Sequential(nn.Conv2d(3, 3, 3, padding=1)))[0]
+    x = torch.randn(2, 3, 5, 5, requires_grad=True)
+    h = conv(x)
+    h += x
+    torch.relu_(h)
+    h.sum().backward()
+    assert x.grad is not None
+
+
+def test_adaptive_avg_pool_is_exact_region_sums():
+    from lightning_det.nn import DetAdaptiveAvgPool2d
+    from lightning_det.parallel import OpAudit
+
+    x = dyadic((3, 5, 6, 4), 12)
+    for size in (1, (3, 2), (None, 1)):
+        pool = det_transform(nn.Sequential(nn.AdaptiveAvgPool2d(size)))[0]
+        assert isinstance(pool, DetAdaptiveAvgPool2d)
+        xs = x.clone().requires_grad_()
+        y = pool(xs)
+        ref = F.adaptive_avg_pool2d(x.double(), size)
+        n = 24 // (ref.shape[2] * ref.shape[3])
+        # round(exact sum) / n, the sum exact in fp64 on dyadic data
+        assert_bitwise(y, ((ref * n).float() / n), f"pool {size}")
+        assert_bitwise(y[1:2], pool(x[1:2]), f"pool {size} batch")
+        y.backward(torch.ones_like(y))
+        assert torch.equal(xs.grad, torch.full_like(x, 1.0 / n))
+    # overlapping regions (6 rows into 4) run PyTorch's kernel, which the op audit reports
+    with OpAudit() as audit:
+        DetAdaptiveAvgPool2d((4, 1))(x)
+    assert any("adaptive_avg_pool2d" in op for op, _, _ in audit.violations())

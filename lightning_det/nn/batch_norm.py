@@ -18,7 +18,9 @@ groups never cross a global micro-batch, G must divide it, and every configurati
 micro-batch G divides computes the same thing.
 
 Outside det_ddp (no step state, or a state without a batch position) the module's own batch is
-the global micro-batch: its statistics are exact, with no cross-rank reduction.
+the global micro-batch: its statistics are exact, with no cross-rank reduction. A module bound to
+a step state without a position in a process group of several ranks (e.g. Fabric, which sets no
+position) raises rather than normalize per rank.
 
 **Arithmetic**, per normalization group j and channel c, over its M = G * spatial elements
 (bf16/fp16 inputs are widened to fp32 exactly):
@@ -80,6 +82,11 @@ def _identity(acc: LongAcc) -> LongAcc:
     return acc
 
 
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def batch_norm_layout(batch: int, state: Optional[StepState]) -> _Layout:
     """The normalization groups of a training forward over ``batch`` samples under ``state``.
 
@@ -91,6 +98,13 @@ def batch_norm_layout(batch: int, state: Optional[StepState]) -> _Layout:
     position = state.position if state is not None else None
     group = getattr(state, "batch_norm_group_size", None) if state is not None else None
     if position is None:
+        if state is not None and _world_size() > 1:
+            raise RuntimeError(
+                "DetBatchNorm: bound to a step state without a batch position in a process group of "
+                f"{_world_size()} ranks; per-rank statistics would not be world-size invariant. Train with "
+                "Trainer(strategy='det_ddp'), which sets the position, or set state.position and "
+                "state.reduce_digits yourself (lightning_det.nn.step_state)"
+            )
         total, start, reduce = batch, 0, _identity
     else:
         if batch != position.size:
