@@ -193,3 +193,41 @@ def test_adaptive_avg_pool_is_exact_region_sums():
     with OpAudit() as audit:
         DetAdaptiveAvgPool2d((4, 1))(x)
     assert any("adaptive_avg_pool2d" in op for op, _, _ in audit.violations())
+
+
+def test_max_pool_sums_overlapping_window_gradients_exactly():
+    from lightning_det.nn import DetMaxPool2d
+    from lightning_det.parallel import OpAudit
+
+    # maxima on the odd rows and columns: a 3 x 3 stride-2 window holds up to four of them, and an
+    # element can be the maximum of up to four windows
+    g = torch.Generator().manual_seed(13)
+    x = torch.full((3, 2, 7, 9), -1.0)
+    x[:, :, 1::2, 1::2] = torch.rand(3, 2, 3, 4, generator=g) + 0.5
+    pool = det_transform(nn.Sequential(nn.MaxPool2d(3, 2, 1)))[0]
+    assert isinstance(pool, DetMaxPool2d)
+    y_ref = F.max_pool2d(x, 3, 2, 1)
+    gy = torch.randn(y_ref.shape, generator=g) * torch.pow(2.0, torch.randint(-20, 20, y_ref.shape, generator=g))
+    xs, xr = x.clone().requires_grad_(), x.double().requires_grad_()
+    y = pool(xs)
+    assert torch.equal(y, y_ref)
+    y.backward(gy)
+    F.max_pool2d(xr, 3, 2, 1).backward(gy.double())
+    assert_bitwise(xs.grad, xr.grad.float(), "dX: exact sums rounded once")  # fp64 holds <= 4 terms here
+    windows = torch.zeros_like(x).requires_grad_()
+    F.max_pool2d(x + windows, 3, 2, 1).backward(torch.ones_like(y_ref))
+    assert windows.grad.max() >= 3  # several windows' gradients meet in one element
+    sub = x[1:2].clone().requires_grad_()
+    pool(sub).backward(gy[1:2])
+    assert_bitwise(sub.grad, xs.grad[1:2], "batch invariance")
+    with OpAudit() as audit:
+        xs2 = x.clone().requires_grad_()
+        y2 = pool(xs2)
+        y2.backward(torch.ones_like(y2))
+    assert not audit.violations()
+    # control: PyTorch's backward adds the windows' gradients in fp32, one rounding each
+    xp = x.clone().requires_grad_()
+    F.max_pool2d(xp, 3, 2, 1).backward(gy)
+    assert not torch.equal(xp.grad, xs.grad)
+    y2, idx = DetMaxPool2d(2, return_indices=True)(x)
+    assert torch.equal(idx, F.max_pool2d(x, 2, return_indices=True)[1])

@@ -4,7 +4,7 @@ from .activation import DetGELU, DetReLU, DetSiLU, DetTanh
 from .batch_norm import DetBatchNorm1d, DetBatchNorm2d
 from .conv import DetConv1d, DetConv2d, det_conv1d, det_conv2d
 from .group_norm import DetGroupNorm
-from .pool import DetAdaptiveAvgPool2d
+from .pool import DetAdaptiveAvgPool2d, DetMaxPool2d
 from .attention import DetMultiheadSelfAttention, det_scaled_dot_product_attention
 from .conv1d import DetConv1D
 from .embedding import DetEmbedding
@@ -36,6 +36,7 @@ __all__ = [
     "DetBatchNorm2d",
     "DetGroupNorm",
     "DetAdaptiveAvgPool2d",
+    "DetMaxPool2d",
     "DetMultiheadSelfAttention",
     "det_scaled_dot_product_attention",
     "det_function_mode",

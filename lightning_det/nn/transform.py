@@ -40,7 +40,7 @@ from .group_norm import DetGroupNorm
 from .linear import DetLinear
 from .lookalikes import match_lookalike
 from .norm import DetLayerNorm, DetRMSNorm
-from .pool import DetAdaptiveAvgPool2d
+from .pool import DetAdaptiveAvgPool2d, DetMaxPool2d
 
 __all__ = [
     "det_transform", "register_det_module", "UnsupportedModuleError", "DET_MODULES", "UNVERIFIED_ATTR",
@@ -65,6 +65,7 @@ _SWAPS: dict[type, type] = {
     nn.BatchNorm2d: DetBatchNorm2d,
     nn.GroupNorm: DetGroupNorm,
     nn.AdaptiveAvgPool2d: DetAdaptiveAvgPool2d,
+    nn.MaxPool2d: DetMaxPool2d,
 }
 DET_MODULES: tuple[type, ...] = tuple(_SWAPS.values()) + (DetConv1D,)
 

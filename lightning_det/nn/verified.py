@@ -61,6 +61,8 @@ VERIFIED_MODULES: dict[str, dict] = {
                   "verified_on": ["cpu"]},
     "AdaptiveAvgPool2d": {"replacement": "DetAdaptiveAvgPool2d", "verified_on": ["cpu"],
                           "invariances": ["run-to-run", "world size (det_ddp)", "non-overlapping regions only"]},
+    "MaxPool2d": {"replacement": "DetMaxPool2d", "verified_on": ["cpu"],
+                  "invariances": ["run-to-run", "batch (row count)", "overlapping windows: exact gradient sums"]},
     "transformers.pytorch_utils.Conv1D": {
         "replacement": "DetConv1D",
         "invariances": _COMMON + ["accumulation (digit mode)"],
