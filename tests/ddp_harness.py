@@ -25,11 +25,11 @@ import lightning_det  # noqa: E402,F401  (registers det_ddp)
 from lightning_det import global_mean  # noqa: E402
 
 
-def weights_digest(module) -> str:
+def weights_digest(module, buffers: bool = False) -> str:
     h = hashlib.sha256()
-    for name, p in module.named_parameters():
+    for name, p in (module.named_buffers() if buffers else module.named_parameters()):
         h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(p.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -43,7 +43,32 @@ class SdpaBlock(nn.Module):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).squeeze(1)
 
 
+class TinyResNet(nn.Module):
+    """A ResNet-like net on (B, 3, 6, 5) images: Conv2d, BatchNorm2d, ReLU(inplace=True), a residual
+    ``+=``, a strided conv, global average pooling, Linear."""
+
+    def __init__(self, classes: int):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True))
+        self.conv_a, self.bn_a = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.conv_b, self.bn_b = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.relu = nn.ReLU(inplace=True)
+        self.down = nn.Sequential(nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=True))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(16, classes)
+
+    def forward(self, x):
+        x = self.stem(x)
+        out = self.relu(self.bn_a(self.conv_a(x)))
+        out = self.bn_b(self.conv_b(out))
+        out += x
+        out = self.relu(out)
+        return self.fc(torch.flatten(self.pool(self.down(out)), 1))
+
+
 def make_model(kind: str, vocab: int, dim: int, classes: int) -> nn.Module:
+    if kind == "resnet":
+        return TinyResNet(classes)
     if kind == "mlp":  # Embedding -> LayerNorm -> Linear -> GELU -> Linear
         return nn.Sequential(nn.Embedding(vocab, dim), nn.Flatten(), nn.LayerNorm(4 * dim), nn.Linear(4 * dim, 64),
                              nn.GELU(), nn.Linear(64, classes))
@@ -103,6 +128,7 @@ class Recorder(L.Callback):
             with open(self.path, "a") as f:
                 f.write(json.dumps({"step": trainer.global_step, "loss_hex": struct.pack("<f", loss).hex(),
                                     "weights_sha256": weights_digest(pl_module),
+                                    "buffers_sha256": weights_digest(pl_module, buffers=True),
                                     # the step's last slice GEMM took a guessed plan (counts not read)
                                     "plan_guessed": last_slices_plan()["residues_x"] == -1}) + "\n")
 
@@ -121,6 +147,7 @@ def main():
     p.add_argument("--non-strict", dest="strict", action="store_false")
     p.add_argument("--gemm-plans", default="auto", help="DeterministicStrategy(gemm_plans=...)")
     p.add_argument("--gemm-path", default="auto", help="lightning_det.ops.gemm_path for the whole run")
+    p.add_argument("--bn-group", type=int, default=0, help="DeterministicStrategy(batch_norm_group_size=...)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -128,6 +155,9 @@ def main():
     n = args.global_batch * args.steps  # the same data and order for every configuration
     x = torch.randint(0, 50, (n, 4), generator=g)
     y = (x.sum(1) % 5)
+    if args.model == "resnet":  # images whose class is the sign pattern of two pixels
+        x = torch.randn(n, 3, 6, 5, generator=g)
+        y = ((x[:, 0, 1, 1] > 0).long() * 2 + (x[:, 2, 4, 3] > 0).long()) % 5
     ds = torch.utils.data.TensorDataset(x, y)
     per_rank = args.global_batch // (args.devices * args.accum)
     assert per_rank * args.devices * args.accum == args.global_batch, "global batch must divide evenly"
@@ -136,7 +166,8 @@ def main():
     if args.strategy == "det_ddp":
         from lightning_det.strategy import DeterministicStrategy
 
-        strategy = DeterministicStrategy(strict=args.strict, gemm_plans=args.gemm_plans)
+        strategy = DeterministicStrategy(strict=args.strict, gemm_plans=args.gemm_plans,
+                                         batch_norm_group_size=args.bn_group or None)
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
                         accumulate_grad_batches=args.accum, gradient_clip_val=args.clip or None,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,

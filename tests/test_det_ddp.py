@@ -21,15 +21,15 @@ MODEL = os.environ.get("LDET_DDP_TEST_MODEL", "mlp")
 
 @lru_cache(maxsize=None)
 def run_rows(devices=1, accum=1, strategy="det_ddp", loss="global", clip=0.0, transform=True, model=MODEL, steps=4,
-             strict=True, gemm_plans="auto", gemm_path="auto"):
+             strict=True, gemm_plans="auto", gemm_path="auto", bn_group=0):
     """The harness's rows (dicts), one per optimizer step."""
     out = Path(os.environ.get("PYTEST_TMP", "/tmp")) / (
         f"ldet-ddp-{model}-{devices}-{accum}-{strategy}-{loss}-{clip}-{transform}-{steps}-{gemm_plans}-{gemm_path}-"
-        f"{os.getpid()}.jsonl")
+        f"{bn_group}-{os.getpid()}.jsonl")
     out.unlink(missing_ok=True)
     cmd = [sys.executable, str(HARNESS), "--devices", str(devices), "--accum", str(accum), "--strategy", strategy,
            "--loss", loss, "--clip", str(clip), "--model", model, "--steps", str(steps), "--out", str(out),
-           "--gemm-plans", gemm_plans, "--gemm-path", gemm_path]
+           "--gemm-plans", gemm_plans, "--gemm-path", gemm_path, "--bn-group", str(bn_group)]
     if not transform:
         cmd.append("--no-transform")
     if not strict:

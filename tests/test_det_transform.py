@@ -116,7 +116,7 @@ def test_checkpoints_load_both_ways():
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("bad, cls", [(nn.Conv1d(3, 3, 1), "Conv1d"), (WithParam(), "WithParam")])
+@pytest.mark.parametrize("bad, cls", [(nn.Conv3d(3, 3, 1), "Conv3d"), (WithParam(), "WithParam")])
 def test_strict_raises_naming_fqn_and_class(bad, cls):
     m = _model()
     m.blocks[1].extra = bad
@@ -127,11 +127,11 @@ def test_strict_raises_naming_fqn_and_class(bad, cls):
 
 def test_non_strict_warns_and_records():
     m = _model()
-    m.blocks[0].conv = nn.Conv1d(3, 3, 1)
+    m.blocks[0].conv = nn.Conv3d(3, 3, 1)
     m.scale = nn.Parameter(torch.ones(1))  # the root itself holds a parameter
     with pytest.warns(UserWarning, match="unverified"):
         det_transform(m, strict=False)
-    assert m.ldet_unverified == ["<root> (Model)", "blocks.0.conv (Conv1d)"]
+    assert m.ldet_unverified == ["<root> (Model)", "blocks.0.conv (Conv3d)"]
     assert type(m.head) is DetLinear  # the covered modules were still swapped
 
 

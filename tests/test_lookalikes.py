@@ -144,17 +144,17 @@ def test_hf_activations_are_swapped(make, cls, approximate):
 
 
 def test_every_uncovered_module_is_named_with_its_class():
-    model = nn.Sequential(nn.Linear(4, 4), hf_act.QuickGELUActivation(), nn.Sigmoid(), nn.Conv2d(1, 1, 1),
+    model = nn.Sequential(nn.Linear(4, 4), hf_act.QuickGELUActivation(), nn.Sigmoid(), nn.Conv3d(1, 1, 1),
                           GemmaRMSNorm(4))
     with pytest.raises(UnsupportedModuleError) as ei:
         det_transform(model)
     msg = str(ei.value)
-    for item in ("1 (QuickGELUActivation)", "2 (Sigmoid)", "3 (Conv2d)", "4 (GemmaRMSNorm)"):
+    for item in ("1 (QuickGELUActivation)", "2 (Sigmoid)", "3 (Conv3d)", "4 (GemmaRMSNorm)"):
         assert item in msg, msg
     assert "4 module(s)" in msg and "register_det_module" in msg
     with pytest.warns(UserWarning, match="QuickGELUActivation"):
         det_transform(model, strict=False)
-    assert model.ldet_unverified == ["1 (QuickGELUActivation)", "2 (Sigmoid)", "3 (Conv2d)", "4 (GemmaRMSNorm)"]
+    assert model.ldet_unverified == ["1 (QuickGELUActivation)", "2 (Sigmoid)", "3 (Conv3d)", "4 (GemmaRMSNorm)"]
     assert type(model[0]) is DetLinear
 
 

@@ -1,6 +1,10 @@
 """Exact modules (no Lightning import): DetLinear and friends, det_transform, det_function_mode,
 and the step state that carries a training step's gradient digits between the layers."""
 from .activation import DetGELU, DetReLU, DetSiLU, DetTanh
+from .batch_norm import DetBatchNorm1d, DetBatchNorm2d
+from .conv import DetConv1d, DetConv2d, det_conv1d, det_conv2d
+from .group_norm import DetGroupNorm
+from .pool import DetAdaptiveAvgPool2d, DetMaxPool2d
 from .attention import DetMultiheadSelfAttention, det_scaled_dot_product_attention
 from .conv1d import DetConv1D
 from .embedding import DetEmbedding
@@ -24,6 +28,15 @@ __all__ = [
     "DetSiLU",
     "DetTanh",
     "DetReLU",
+    "DetConv1d",
+    "DetConv2d",
+    "det_conv1d",
+    "det_conv2d",
+    "DetBatchNorm1d",
+    "DetBatchNorm2d",
+    "DetGroupNorm",
+    "DetAdaptiveAvgPool2d",
+    "DetMaxPool2d",
     "DetMultiheadSelfAttention",
     "det_scaled_dot_product_attention",
     "det_function_mode",

@@ -14,6 +14,9 @@ reads it back when the step's gradients are rounded. It holds:
 - ``position``: where this process's micro-batch sits in the optimizer step's global batch
   (:class:`BatchPosition`), which keyed dropout and global-batch statistics need; None outside a
   training step;
+- ``batch_norm_group_size``: None (BatchNorm normalizes over the whole global micro-batch), or G:
+  BatchNorm's normalization groups are G consecutive global samples (ghost batch norm,
+  :mod:`lightning_det.nn.batch_norm`), the same at every world size and accumulation that G divides;
 - ``reduce_digits``: returns a LongAcc's exact sum over every rank (the strategy's exact
   all-reduce; the identity at world size 1), for statistics that cross ranks inside the forward
   or backward;
@@ -91,6 +94,7 @@ class StepState:
         self.eager = False
         self.global_mean_used = False
         self.position: Optional[BatchPosition] = None
+        self.batch_norm_group_size: Optional[int] = None
         self.reduce_digits: Callable[[LongAcc], LongAcc] = _no_reduce
         self.checks = DeferredChecks()
         # id(param) -> [param, digits, owned]: owned = made or handed over here, so writable

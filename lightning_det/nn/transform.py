@@ -32,11 +32,15 @@ from typing import Callable, Optional
 from torch import nn
 
 from .activation import DetGELU, DetReLU, DetSiLU, DetTanh
+from .batch_norm import DetBatchNorm1d, DetBatchNorm2d
+from .conv import DetConv1d, DetConv2d
 from .conv1d import DetConv1D
 from .embedding import DetEmbedding, _check_options
+from .group_norm import DetGroupNorm
 from .linear import DetLinear
 from .lookalikes import match_lookalike
 from .norm import DetLayerNorm, DetRMSNorm
+from .pool import DetAdaptiveAvgPool2d, DetMaxPool2d
 
 __all__ = [
     "det_transform", "register_det_module", "UnsupportedModuleError", "DET_MODULES", "UNVERIFIED_ATTR",
@@ -55,6 +59,13 @@ _SWAPS: dict[type, type] = {
     nn.SiLU: DetSiLU,
     nn.Tanh: DetTanh,
     nn.ReLU: DetReLU,
+    nn.Conv1d: DetConv1d,
+    nn.Conv2d: DetConv2d,
+    nn.BatchNorm1d: DetBatchNorm1d,
+    nn.BatchNorm2d: DetBatchNorm2d,
+    nn.GroupNorm: DetGroupNorm,
+    nn.AdaptiveAvgPool2d: DetAdaptiveAvgPool2d,
+    nn.MaxPool2d: DetMaxPool2d,
 }
 DET_MODULES: tuple[type, ...] = tuple(_SWAPS.values()) + (DetConv1D,)
 
@@ -125,6 +136,9 @@ def _factory(module: nn.Module) -> Optional[Callable[[nn.Module], nn.Module]]:
         def swap(m: nn.Module) -> nn.Module:
             if target is DetEmbedding:
                 _check_options(m)  # raises with the reason and the fix
+            check = getattr(target, "check_module", None)
+            if check is not None:
+                check(m)  # options the Det class does not cover: raises with the reason and the fix
             m.__class__ = target
             return m
 

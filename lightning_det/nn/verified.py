@@ -15,6 +15,12 @@ __all__ = ["VERIFIED_MODULES", "VERIFIED_FUNCTIONS"]
 
 _COMMON = ["run-to-run", "batch (row count)", "position (odd widths 33, 123)"]
 
+# convolutions and GroupNorm: per-sample results (tests/test_conv.py, tests/test_group_norm.py)
+_CNN = ["run-to-run", "batch (row count)", "odd sizes (5 channels, 7 x 9, stride, dilation, groups)"]
+# BatchNorm's statistics cross the batch by design: global micro-batch or ghost groups
+# (tests/test_batch_norm.py, tests/test_conv_bn_ddp.py)
+_BN = ["run-to-run", "global micro-batch statistics", "accumulation (ghost groups)", "running statistics"]
+
 VERIFIED_MODULES: dict[str, dict] = {
     "Linear": {
         "replacement": "DetLinear",
@@ -45,6 +51,18 @@ VERIFIED_MODULES: dict[str, dict] = {
              "also_matches": ["HF SiLUActivation"]},
     "Tanh": {"replacement": "DetTanh", "invariances": list(_COMMON), "verified_on": ["cpu", "cuda (H200)"]},
     "ReLU": {"replacement": "DetReLU", "invariances": list(_COMMON), "verified_on": ["cpu", "cuda (H200)"]},
+    "Conv1d": {"replacement": "DetConv1d", "invariances": _CNN + ["accumulation (digit mode)"], "verified_on": ["cpu"],
+               "also_matches": ["subclasses that keep forward"]},
+    "Conv2d": {"replacement": "DetConv2d", "invariances": _CNN + ["accumulation (digit mode)", "world size (det_ddp)"],
+               "verified_on": ["cpu"], "also_matches": ["subclasses that keep forward"]},
+    "BatchNorm1d": {"replacement": "DetBatchNorm1d", "invariances": _BN, "verified_on": ["cpu"]},
+    "BatchNorm2d": {"replacement": "DetBatchNorm2d", "invariances": _BN + ["world size (det_ddp)"], "verified_on": ["cpu"]},
+    "GroupNorm": {"replacement": "DetGroupNorm", "invariances": _CNN + ["accumulation (digit mode)"],
+                  "verified_on": ["cpu"]},
+    "AdaptiveAvgPool2d": {"replacement": "DetAdaptiveAvgPool2d", "verified_on": ["cpu"],
+                          "invariances": ["run-to-run", "world size (det_ddp)", "non-overlapping regions only"]},
+    "MaxPool2d": {"replacement": "DetMaxPool2d", "verified_on": ["cpu"],
+                  "invariances": ["run-to-run", "batch (row count)", "overlapping windows: exact gradient sums"]},
     "transformers.pytorch_utils.Conv1D": {
         "replacement": "DetConv1D",
         "invariances": _COMMON + ["accumulation (digit mode)"],

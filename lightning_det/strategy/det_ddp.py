@@ -92,16 +92,24 @@ class DeterministicStrategy(DDPStrategy):
             bytes are the same under all three (the ``plans`` argument of
             :func:`lightning_det.ops.det_gemm`, which the step state passes to the det modules and
             det attention).
+        batch_norm_group_size: None (default): BatchNorm statistics over the whole global
+            micro-batch (every rank's current micro-batch: SyncBatchNorm semantics, exact), which
+            ``accumulate_grad_batches`` changes; or G: groups of G consecutive global samples
+            (ghost batch norm), invariant across world size and accumulation wherever G divides the
+            global micro-batch (:mod:`lightning_det.nn.batch_norm`).
     """
 
     strategy_name = "det_ddp"
 
     def __init__(
         self, *args: Any, strict: bool = True, seed: int = 0, audit: bool = True, eager_rounding: bool = True,
-        gemm_plans: str = "auto", **kwargs: Any,
+        gemm_plans: str = "auto", batch_norm_group_size: Optional[int] = None, **kwargs: Any,
     ) -> None:
         if gemm_plans not in _GEMM_PLANS:
             raise ValueError(f"gemm_plans: expected one of {sorted(_GEMM_PLANS)}, got {gemm_plans!r}")
+        bn_group = None if batch_norm_group_size is None else as_index(batch_norm_group_size)
+        if batch_norm_group_size is not None and (bn_group is None or bn_group < 1):
+            raise ValueError(f"batch_norm_group_size: expected None or an integer >= 1, got {batch_norm_group_size!r}")
         # Before anything touches CUDA or NCCL (the Trainer builds strategies first).
         self.det_environment = apply_strict_environment()
         super().__init__(*args, **kwargs)
@@ -120,6 +128,7 @@ class DeterministicStrategy(DDPStrategy):
         # the step's state, passed to the det modules (set_grad_digits) and to the function modes
         self.step_state = StepState()
         self.step_state.reduce_digits = self._reduce_digits
+        self.step_state.batch_norm_group_size = bn_group
         self._micro_batch_size: Optional[int] = None  # per rank, set with the training sampler
 
     # ---- set-up --------------------------------------------------------------------------
