@@ -199,6 +199,8 @@ def test_function_mode_redirects_plain_sdpa():
     assert torch.equal(y, yd)
     for (n, p), (_, pd) in zip(plain.named_parameters(), det.named_parameters()):
         assert torch.equal(p.grad, pd.grad), n
-    q = torch.randn(1, 2, 4, 8)
-    with det_function_mode(), pytest.raises(ValueError, match="enable_gqa"):
-        F.scaled_dot_product_attention(q, q, q, enable_gqa=True)
+    q = torch.randn(1, 6, 4, 8)
+    with det_function_mode():  # grouped-query attention: tests/test_det_matmul.py
+        assert torch.equal(F.scaled_dot_product_attention(q, q, q, enable_gqa=True), dsdpa(q, q, q))
+        with pytest.raises(ValueError, match="key, value: with enable_gqa"):
+            F.scaled_dot_product_attention(q, q[:, :4], q[:, :4], enable_gqa=True)

@@ -94,7 +94,8 @@ def det_matmul(a: torch.Tensor, b: torch.Tensor, *, plans="default") -> torch.Te
     try:
         lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     except RuntimeError as err:
-        raise ValueError(f"a, b: leading dims {tuple(a.shape[:-2])} and {tuple(b.shape[:-2])} do not broadcast") from err
+        raise ValueError(f"a, b: leading dims {tuple(a.shape[:-2])} and {tuple(b.shape[:-2])} "
+                         "do not broadcast") from err
     if tuple(a.shape[:-2]) != tuple(lead):
         a = a.expand(*lead, m, k)
     if tuple(b.shape[:-2]) != tuple(lead):

@@ -95,15 +95,17 @@ class _DetInProjection(torch.autograd.Function):
         gw = [None, None, None]
         if ctx.packed:
             if ctx.needs_input_grad[3]:
+                w_dtype = _float_dtype(w0.dtype)
                 gw[0] = _contribute(
                     state, w0, lambda: torch.cat([det_gemm_partial(g, x, plans=plans) for g, x in pairs]),
-                    lambda: torch.cat([det_gemm(g, x, out_dtype=_float_dtype(w0.dtype), plans=plans) for g, x in pairs]))
+                    lambda: torch.cat([det_gemm(g, x, out_dtype=w_dtype, plans=plans) for g, x in pairs]))
         else:
             for i, w in enumerate((w0, w1, w2)):
                 if ctx.needs_input_grad[3 + i]:
                     g, x = pairs[i]
+                    dt = _float_dtype(w.dtype)
                     gw[i] = _contribute(state, w, lambda g=g, x=x: det_gemm_partial(g, x, plans=plans),
-                                        lambda g=g, x=x, w=w: det_gemm(g, x, out_dtype=_float_dtype(w.dtype), plans=plans))
+                                        lambda g=g, x=x, dt=dt: det_gemm(g, x, out_dtype=dt, plans=plans))
         gb = None
         if bias is not None and ctx.needs_input_grad[6]:
             digits = lambda: torch.cat([det_col_sums(g) for g in gs])  # noqa: E731
@@ -181,7 +183,8 @@ class DetMultiheadAttention(nn.MultiheadAttention):
         n, tgt, e = q_in.shape
         src = k_in.shape[1]
         if e != self.embed_dim:
-            raise ValueError(f"query: expected last dimension embed_dim={self.embed_dim}, got shape {tuple(query.shape)}")
+            raise ValueError(f"query: expected last dimension embed_dim={self.embed_dim}, "
+                             f"got shape {tuple(query.shape)}")
         if k_in.shape[:2] != v_in.shape[:2] or k_in.shape[0] != n:
             raise ValueError(f"key, value: expected the batch of query and one sequence length, got shapes "
                              f"{tuple(key.shape)} and {tuple(value.shape)} for query {tuple(query.shape)}")
