@@ -66,9 +66,40 @@ class TinyResNet(nn.Module):
         return self.fc(torch.flatten(self.pool(self.down(out)), 1))
 
 
+class HFCausalLM(nn.Module):
+    """A tiny random Hugging Face causal LM (no download) whose forward returns HF's own loss
+    (``labels=``): dropouts 0, so ranks draw no masks."""
+
+    def __init__(self, family: str, impl: str, vocab: int):
+        super().__init__()
+        if family == "gpt2":
+            from transformers import GPT2Config, GPT2LMHeadModel
+
+            cfg = GPT2Config(vocab_size=vocab, n_positions=8, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
+                             embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=impl)
+            self.lm = GPT2LMHeadModel(cfg)
+        else:  # 4 query heads over 2 key/value heads: grouped-query attention
+            from transformers import LlamaConfig, LlamaForCausalLM
+
+            cfg = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                              num_attention_heads=4, num_key_value_heads=2 if impl == "sdpa" else 4,
+                              max_position_embeddings=8, attn_implementation=impl)
+            self.lm = LlamaForCausalLM(cfg)
+
+    def forward(self, x):
+        return self.lm(input_ids=x, labels=x).loss
+
+
 def make_model(kind: str, vocab: int, dim: int, classes: int) -> nn.Module:
     if kind == "resnet":
         return TinyResNet(classes)
+    if kind in ("gpt2-eager", "gpt2-sdpa", "llama-eager", "llama-sdpa"):
+        family, impl = kind.split("-")
+        return HFCausalLM(family, impl, vocab)
+    if kind == "encoder":  # nn.TransformerEncoder (MultiheadAttention inside), dropout 0
+        layer = nn.TransformerEncoderLayer(dim, 2, 16, dropout=0.0, activation="gelu", batch_first=True)
+        return nn.Sequential(nn.Embedding(vocab, dim), nn.TransformerEncoder(layer, 2, enable_nested_tensor=False),
+                             nn.Flatten(), nn.Linear(4 * dim, classes))
     if kind == "mlp":  # Embedding -> LayerNorm -> Linear -> GELU -> Linear
         return nn.Sequential(nn.Embedding(vocab, dim), nn.Flatten(), nn.LayerNorm(4 * dim), nn.Linear(4 * dim, 64),
                              nn.GELU(), nn.Linear(64, classes))
@@ -97,6 +128,10 @@ class Module(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if isinstance(self.net, HFCausalLM):  # HF's own loss: F.cross_entropy inside the model
+            loss = self(x)
+            self.log("train_loss", loss, sync_dist=True)
+            return loss
         logits = self(x)
         if self.args.loss == "global":
             loss = global_mean(F.cross_entropy(logits, y, reduction="none"))

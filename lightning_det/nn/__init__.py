@@ -13,6 +13,8 @@ from .function_mode import det_function_mode
 from .grad_digits import finalize_grad_digits, set_grad_digits
 from .linear import DetLinear
 from .loss import det_cross_entropy
+from .matmul import det_matmul, det_softmax
+from .mha import DetMultiheadAttention, DetTransformerDecoderLayer, DetTransformerEncoder, DetTransformerEncoderLayer
 from .norm import DetLayerNorm, DetRMSNorm
 from .step_state import BatchPosition, StepState, StepStateMode, current_step_state
 from .transform import DET_MODULES, UnsupportedModuleError, det_transform, register_det_module
@@ -38,6 +40,12 @@ __all__ = [
     "DetAdaptiveAvgPool2d",
     "DetMaxPool2d",
     "DetMultiheadSelfAttention",
+    "DetMultiheadAttention",
+    "DetTransformerEncoderLayer",
+    "DetTransformerEncoder",
+    "DetTransformerDecoderLayer",
+    "det_matmul",
+    "det_softmax",
     "det_scaled_dot_product_attention",
     "det_function_mode",
     "det_cross_entropy",

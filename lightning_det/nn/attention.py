@@ -112,20 +112,6 @@ def _check(t, name: str) -> None:
                          f"got {tuple(t.shape)}")
 
 
-def _repeat_kv_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
-    """key and value with each of their Hkv heads repeated H / Hkv times (grouped-query attention)."""
-    if query.dim() < 3 or key.dim() != query.dim() or value.dim() != query.dim():
-        raise ValueError(f"enable_gqa: expected query, key and value of the same rank >= 3 (..., H, L, E), got "
-                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
-    h, hkv = query.shape[-3], key.shape[-3]
-    if hkv == 0 or h % hkv or value.shape[-3] != hkv:
-        raise ValueError(f"enable_gqa: expected key and value heads (dim -3) dividing the query's {h} heads, got "
-                         f"key {tuple(key.shape)}, value {tuple(value.shape)}")
-    if hkv == h:
-        return key, value
-    return key.repeat_interleave(h // hkv, dim=-3), value.repeat_interleave(h // hkv, dim=-3)
-
-
 def det_scaled_dot_product_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -134,7 +120,6 @@ def det_scaled_dot_product_attention(
     dropout_p: float = 0.0,
     is_causal: bool = False,
     scale: Optional[float] = None,
-    enable_gqa: bool = False,
     *,
     plans="default",
 ) -> torch.Tensor:
@@ -149,9 +134,6 @@ def det_scaled_dot_product_attention(
         dropout_p: must be 0.0 (dropout would need a deterministic RNG stream; not supported).
         is_causal: query r attends keys j <= r (upper-left aligned, as PyTorch). Not with attn_mask.
         scale: score scale, default ``1 / sqrt(E)``.
-        enable_gqa: grouped-query attention, as PyTorch's: ``key`` and ``value`` (..., Hkv, Lk, E)
-            with Hkv dividing the query's H; each key/value head serves H / Hkv consecutive query
-            heads (the same values are used, so the result is that of the repeated heads).
         plans: how the exact GEMMs plan their integer slices, as
             :func:`lightning_det.ops.det_gemm`'s (the bytes never depend on it).
 
@@ -161,8 +143,6 @@ def det_scaled_dot_product_attention(
     _check(query, "query")
     _check(key, "key")
     _check(value, "value")
-    if enable_gqa:
-        key, value = _repeat_kv_heads(query, key, value)
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p: det attention supports only dropout_p=0.0, got {dropout_p}")
     lead = tuple(query.shape[:-2])

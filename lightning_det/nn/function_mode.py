@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .attention import det_scaled_dot_product_attention
+from .attention_routes import MATMUL_FUNCS, NOT_ROUTED, SOFTMAX_FUNCS, det_sdpa_gqa, matmul_route, softmax_route
 from .loss import cross_entropy_rows, cross_entropy_unsupported, det_cross_entropy_checked
 from .step_state import StepState, StepStateMode
 
@@ -30,11 +30,22 @@ class _DetFunctionMode(StepStateMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is F.scaled_dot_product_attention:
-            state = self.ldet_step_state
-            return det_scaled_dot_product_attention(*args, plans="default" if state is None else state.plans, **kwargs)
+            return det_sdpa_gqa(*args, plans=self._plans(), **kwargs)
         if func is F.cross_entropy:
             return self._cross_entropy(func, args, kwargs)
+        if func in MATMUL_FUNCS:
+            out = matmul_route(func, args, kwargs, self._plans())
+            if out is not NOT_ROUTED:
+                return out
+        elif func in SOFTMAX_FUNCS:
+            out = softmax_route(func, args, kwargs)
+            if out is not NOT_ROUTED:
+                return out
         return func(*args, **kwargs)
+
+    def _plans(self):
+        state = self.ldet_step_state
+        return "default" if state is None else state.plans
 
     def _cross_entropy(self, func, args, kwargs):
         bound = _CE_SIGNATURE.bind(*args, **kwargs)
@@ -87,7 +98,11 @@ def det_function_mode(strict: bool = True, loss_reduce: Optional[Callable] = Non
             loss = F.cross_entropy(y, t)   # also nn.CrossEntropyLoss: exact, device-invariant
 
     Redirected: ``F.scaled_dot_product_attention`` -> :func:`det_scaled_dot_product_attention`
-    and ``F.cross_entropy`` (which ``nn.CrossEntropyLoss`` calls) -> :func:`det_cross_entropy`.
+    (``enable_gqa`` included), ``F.cross_entropy`` (which ``nn.CrossEntropyLoss`` calls) ->
+    :func:`det_cross_entropy`, and the calls of hand-written attention (Hugging Face's "eager"):
+    ``torch.matmul`` / ``@`` / ``bmm`` / ``mm`` of two float activations -> ``det_matmul``,
+    ``F.softmax`` / ``torch.softmax`` / ``Tensor.softmax`` with a ``dim`` -> ``det_softmax``
+    (:mod:`lightning_det.nn.attention_routes`).
     A torch function mode is off inside its own handler, so the det kernels' internals are not
     touched. Wrap forward and the loss alike; the backward is the det Functions' own and needs
     no mode. det_ddp applies it around every training and validation step.

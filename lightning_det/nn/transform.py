@@ -39,6 +39,8 @@ from .embedding import DetEmbedding, _check_options
 from .group_norm import DetGroupNorm
 from .linear import DetLinear
 from .lookalikes import match_lookalike
+from .mha import (DetMultiheadAttention, DetTransformerDecoderLayer, DetTransformerEncoder,
+                  DetTransformerEncoderLayer, TRANSFORMER_SWAPS)
 from .norm import DetLayerNorm, DetRMSNorm
 from .pool import DetAdaptiveAvgPool2d, DetMaxPool2d
 
@@ -67,7 +69,8 @@ _SWAPS: dict[type, type] = {
     nn.AdaptiveAvgPool2d: DetAdaptiveAvgPool2d,
     nn.MaxPool2d: DetMaxPool2d,
 }
-DET_MODULES: tuple[type, ...] = tuple(_SWAPS.values()) + (DetConv1D,)
+DET_MODULES: tuple[type, ...] = tuple(_SWAPS.values()) + (
+    DetConv1D, DetMultiheadAttention, DetTransformerEncoderLayer, DetTransformerEncoder, DetTransformerDecoderLayer)
 
 # user class -> factory (rule 1)
 _REGISTERED: dict[type, Callable[[nn.Module], nn.Module]] = {}
@@ -96,7 +99,7 @@ def register_det_module(cls: type, factory: Callable[[nn.Module], nn.Module]) ->
         raise TypeError(f"cls: expected an nn.Module subclass, got {cls!r}")
     if not callable(factory):
         raise TypeError(f"factory: expected a callable factory(module) -> nn.Module, got {type(factory).__name__}")
-    if cls in _SWAPS or cls in DET_MODULES:
+    if cls in _SWAPS or cls in DET_MODULES or cls in TRANSFORMER_SWAPS:
         raise ValueError(f"cls: {cls.__name__} is already covered by det_transform; register your own classes only")
     _REGISTERED[cls] = factory
 
@@ -105,7 +108,8 @@ def supported_summary() -> str:
     """The covered modules, in words, for error messages."""
     torch_names = ", ".join(f"nn.{c.__name__}" for c in _SWAPS)
     mine = f"; registered: {', '.join(c.__name__ for c in _REGISTERED)}" if _REGISTERED else ""
-    return (f"{torch_names} and their subclasses that keep forward; HF Conv1D, Llama/T5-style RMSNorm, "
+    return (f"{torch_names} and their subclasses that keep forward; nn.MultiheadAttention, "
+            "nn.TransformerEncoder(Layer), nn.TransformerDecoderLayer; HF Conv1D, Llama/T5-style RMSNorm, "
             f"HF SiLU/GELU activations{mine}")
 
 
@@ -129,6 +133,8 @@ def _factory(module: nn.Module) -> Optional[Callable[[nn.Module], nn.Module]]:
     cls = type(module)
     if cls in _REGISTERED:
         return _REGISTERED[cls]
+    if cls in TRANSFORMER_SWAPS:
+        return TRANSFORMER_SWAPS[cls]
     base = cls if cls in _SWAPS else _subclass_base(module)
     if base is not None:
         target = _SWAPS[base]

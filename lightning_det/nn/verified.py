@@ -63,6 +63,20 @@ VERIFIED_MODULES: dict[str, dict] = {
                           "invariances": ["run-to-run", "world size (det_ddp)", "non-overlapping regions only"]},
     "MaxPool2d": {"replacement": "DetMaxPool2d", "verified_on": ["cpu"],
                   "invariances": ["run-to-run", "batch (row count)", "overlapping windows: exact gradient sums"]},
+    "MultiheadAttention": {
+        "replacement": "DetMultiheadAttention",
+        "also_matches": ["its out_proj (NonDynamicallyQuantizableLinear) becomes DetLinear"],
+        "invariances": ["run-to-run", "batch (sequences)", "accumulation (digit mode)", "world size (det_ddp)"],
+        "verified_on": ["cpu"],
+    },
+    "TransformerEncoderLayer": {"replacement": "DetTransformerEncoderLayer", "note": "no eval fast path",
+                                "invariances": ["run-to-run", "batch (sequences)", "eval == training forward",
+                                                "world size (det_ddp)"], "verified_on": ["cpu"]},
+    "TransformerEncoder": {"replacement": "DetTransformerEncoder", "note": "no nested tensors",
+                           "invariances": ["run-to-run", "batch (sequences)", "world size (det_ddp)"],
+                           "verified_on": ["cpu"]},
+    "TransformerDecoderLayer": {"replacement": "DetTransformerDecoderLayer",
+                                "invariances": ["run-to-run", "batch (sequences)"], "verified_on": ["cpu"]},
     "transformers.pytorch_utils.Conv1D": {
         "replacement": "DetConv1D",
         "invariances": _COMMON + ["accumulation (digit mode)"],
@@ -76,7 +90,18 @@ VERIFIED_MODULES: dict[str, dict] = {
 VERIFIED_FUNCTIONS: dict[str, dict] = {
     "torch.nn.functional.scaled_dot_product_attention": {
         "replacement": "det_scaled_dot_product_attention",
-        "invariances": ["run-to-run", "batch (sequences)", "heads", "world size (det_ddp)"],
+        "invariances": ["run-to-run", "batch (sequences)", "heads", "grouped-query heads (enable_gqa)",
+                        "world size (det_ddp)"],
+        "verified_on": ["cpu"],
+    },
+    "torch.matmul": {
+        "replacement": "det_matmul (also @, torch.bmm, torch.mm; two activations, not a Parameter)",
+        "invariances": ["run-to-run", "batch (slices)", "exact sum rounded once"],
+        "verified_on": ["cpu"],
+    },
+    "torch.nn.functional.softmax": {
+        "replacement": "det_softmax (also torch.softmax, Tensor.softmax, with a dim)",
+        "invariances": ["run-to-run", "batch (row count and offset)"],
         "verified_on": ["cpu"],
     },
     "torch.nn.functional.cross_entropy": {
