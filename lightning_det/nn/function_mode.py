@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .attention import det_scaled_dot_product_attention
+from .broadcast_grads import BROADCAST_FUNCS, call_with_exact_broadcasts
 from .loss import cross_entropy_rows, cross_entropy_unsupported, det_cross_entropy_checked
 from .step_state import StepState, StepStateMode
 
@@ -37,6 +38,9 @@ class _DetFunctionMode(StepStateMode):
             return det_scaled_dot_product_attention(*args, plans="default" if state is None else state.plans, **kwargs)
         if func is F.cross_entropy:
             return self._cross_entropy(func, args, kwargs)
+        if func in BROADCAST_FUNCS and self.ldet_step_state is not None:
+            # a gradient that the broadcast would sum over the batch in float goes to exact digits
+            return call_with_exact_broadcasts(func, args, kwargs, self.ldet_step_state, self.strict)
         return func(*args, **kwargs)
 
     def _cross_entropy(self, func, args, kwargs):
@@ -91,12 +95,17 @@ def det_function_mode(strict: bool = True, loss_reduce: Optional[Callable] = Non
 
     Redirected: ``F.scaled_dot_product_attention`` -> :func:`det_scaled_dot_product_attention`
     and ``F.cross_entropy`` (which ``nn.CrossEntropyLoss`` calls) -> :func:`det_cross_entropy`.
+    With a ``state``, broadcasting functions (``+ - * /``, ``where``, ``expand``, ``repeat``, ...)
+    route the gradient of a Parameter, a view of one, or a DetEmbedding output that they spread
+    across the batch to exact digits (:mod:`lightning_det.nn.broadcast_grads`).
     A torch function mode is off inside its own handler, so the det kernels' internals are not
     touched. Wrap forward and the loss alike; the backward is the det Functions' own and needs
     no mode. det_ddp applies it around every training and validation step.
 
     Args:
-        strict: cross_entropy options the det version lacks (``weight``, ``label_smoothing``,
+        strict: a tensor that requires grad, is broadcast across the batch (dimension 0) and has no
+            exact gradient route raises :class:`~lightning_det.nn.broadcast_grads.BroadcastGradError`
+            (False: PyTorch's float sum, reported by the op audit); cross_entropy options the det version lacks (``weight``, ``label_smoothing``,
             class-probability targets, (N, C, d1, ...) inputs, float64) raise a ValueError naming
             the argument; with False they warn and run PyTorch's own function (det_ddp's op audit of
             the first step then labels the run unverified).
