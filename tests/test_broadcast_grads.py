@@ -177,6 +177,35 @@ def test_views_and_repeat_route_into_the_viewed_elements():
     assert_bitwise(p.grad, want, "slice + repeat")
 
 
+def test_hf_gpt2_position_embedding_is_exact_across_micro_batches():
+    # GPT-2 adds wpe(position_ids), position_ids of shape (1, T), to the (B, T, D) token embeddings
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=8, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = det_transform(transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa"))
+    tokens, _ = _data()
+    w = gen.wide_exponents((B, T, VOCAB), -20, 20, torch.float32, 3)
+
+    def grads(splits):
+        state = StepState()
+        set_grad_digits(model, state)
+        for a, b in splits:
+            with det_function_mode(state=state):
+                logits = model(tokens[a:b]).logits
+            (logits * w[a:b]).sum().backward()
+        assert all(p.grad is None for p in model.parameters()), "a float .grad was written"
+        finalize_grad_digits(state, model.parameters())
+        out = {n: p.grad for n, p in model.named_parameters()}
+        for p in model.parameters():
+            p.grad = None
+        return out
+
+    whole, halves = grads(WHOLE), grads(HALVES)
+    for n in whole:
+        assert_bitwise(halves[n], whole[n], n)
+
+
 # ---- what cannot be routed -------------------------------------------------------------------
 class _Derived(nn.Module):
     """A tensor computed from a parameter (not a view of it) broadcast over the batch."""
@@ -197,6 +226,13 @@ def test_strict_names_the_function_shapes_and_grad_fn_chain():
     for part in ("Tensor.add broadcasts", "(1, 4, 8)", "(3, 4, 8)", "dimension 0 (the batch)",
                  "MulBackward0 <- _ExactBroadcastBackward <- AccumulateGrad(Parameter (1, 4, 8))", "strict=False"):
         assert part in msg, msg
+    # the fix the message suggests: expand the Parameter, then compute at full shape
+    m, x, state = _Derived(), torch.randn(3, 4, 8), StepState()
+    with det_function_mode(state=state):
+        y = x + m.p.expand_as(x) * 2
+    y.sum().backward()
+    assert m.p.grad is None and finalize_grad_digits(state, [m.p]) == 1
+    assert torch.equal(m.p.grad, torch.full((1, 4, 8), 6.0))
     # non-strict: PyTorch's own broadcast (its float sum is for the op audit to report)
     from lightning_det.parallel.audit import OpAudit
 

@@ -2,6 +2,7 @@
 and the step state that carries a training step's gradient digits between the layers."""
 from .activation import DetGELU, DetReLU, DetSiLU, DetTanh
 from .attention import DetMultiheadSelfAttention, det_scaled_dot_product_attention
+from .broadcast_grads import BroadcastGradError
 from .conv1d import DetConv1D
 from .embedding import DetEmbedding
 from .functional import det_col_sums, det_exp, det_gelu, det_relu, det_row_sums, det_silu, det_tanh
@@ -27,6 +28,7 @@ __all__ = [
     "DetMultiheadSelfAttention",
     "det_scaled_dot_product_attention",
     "det_function_mode",
+    "BroadcastGradError",
     "det_cross_entropy",
     "det_exp",
     "det_gelu",

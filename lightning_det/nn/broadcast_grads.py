@@ -340,6 +340,7 @@ def _message(func, t, shape, tensors, dtype) -> str:
         f"Autograd would sum its gradient over the batch in floating point, which depends on the world size"
         f"{why}. Its grad_fn chain: {_chain(t)}. Exact routes exist for a Parameter, a view or slice of one, a "
         "dtype cast of one, and the output of a det module that takes broadcast gradients (DetEmbedding). "
-        "Broadcast one of those instead (e.g. add the Parameter before transforming it), or pass strict=False "
-        "to keep PyTorch's float sum (the op audit then labels the run unverified)."
+        "Broadcast one of those first and compute on the full-shape result (e.g. "
+        "x + self.p.expand_as(x) * 2 instead of x + self.p * 2), or pass strict=False to keep PyTorch's "
+        "float sum (the op audit then labels the run unverified)."
     )
