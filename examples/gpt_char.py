@@ -137,8 +137,9 @@ class CharGPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         b, l = idx.shape
-        # positions expanded to (B, L), not broadcast: a broadcast add would make autograd sum the
-        # position gradient over the batch with a float reduction (aten.sum), outside the contract
+        # positions expanded to (B, L), not broadcast: every position's gradient reaches the
+        # embedding's exact row scatter in any loop (a broadcast add of a (1, L, D) output is made
+        # exact only inside det_function_mode with a step state, as det_ddp runs the step)
         pos = torch.arange(l, device=idx.device).expand(b, l)
         x = self.tok(idx) + self.pos(pos)
         for block in self.blocks:

@@ -6,6 +6,7 @@ from .conv import DetConv1d, DetConv2d, det_conv1d, det_conv2d
 from .group_norm import DetGroupNorm
 from .pool import DetAdaptiveAvgPool2d, DetMaxPool2d
 from .attention import DetMultiheadSelfAttention, det_scaled_dot_product_attention
+from .broadcast_grads import BroadcastGradError
 from .conv1d import DetConv1D
 from .embedding import DetEmbedding
 from .functional import det_col_sums, det_exp, det_gelu, det_relu, det_row_sums, det_silu, det_tanh
@@ -48,6 +49,7 @@ __all__ = [
     "det_softmax",
     "det_scaled_dot_product_attention",
     "det_function_mode",
+    "BroadcastGradError",
     "det_cross_entropy",
     "det_exp",
     "det_gelu",

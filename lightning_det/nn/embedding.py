@@ -23,11 +23,45 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 class _DetEmbeddingFn(torch.autograd.Function):
     @staticmethod
     @trusted_fn
-    def forward(ctx, idx, weight, padding_idx, state):
+    def forward(ctx, idx, weight, padding_idx, state, bad):
         ctx.save_for_backward(idx)
         # the state keys gradients by the Parameter object itself
-        ctx.weight, ctx.padding_idx, ctx.state = weight, padding_idx, state
-        return F.embedding(idx, weight, padding_idx)  # a gather: exact
+        ctx.weight, ctx.padding_idx, ctx.state, ctx.bad = weight, padding_idx, state, bad
+        out = F.embedding(idx, weight, padding_idx)  # a gather: exact
+        if bad is not None:  # out-of-range indices (deferred check): NaN, and no gradient
+            out = out.masked_fill(bad.unsqueeze(-1), math.nan)
+        return out
+
+    @staticmethod
+    def ldet_broadcast_sink(node, state, shape):
+        """The output, broadcast to ``shape`` outside the module, takes its full gradient here
+        (lightning_det.nn.broadcast_grads): the indices broadcast the same way, and one exact
+        row scatter gives the weight's digits. Returns ``(weight, grad -> digits)``, or None
+        where the embedding dimension itself is broadcast or the module has another state."""
+        weight = node.weight
+        (idx,) = node.saved_tensors
+        if node.state is not state or not node.needs_input_grad[1] or len(shape) < idx.dim() + 1 \
+                or shape[-1] != weight.shape[1]:
+            return None
+        lead = tuple(shape[:-1])
+        pad, bad = node.padding_idx, node.bad
+        ones = (1,) * (len(lead) - idx.dim())
+        idx_b = idx.reshape(ones + tuple(idx.shape)).expand(lead).reshape(-1).long()
+        bad_b = None if bad is None else bad.reshape(ones + tuple(bad.shape)).expand(lead).reshape(-1, 1)
+
+        @trusted_fn
+        def digits(grad):
+            g = grad.reshape(-1, weight.shape[1])
+            if bad_b is not None:
+                g = g.masked_fill(bad_b, 0)
+            if g.dtype not in _FLOATS:
+                g = g.float()
+            acc = scatter_sum_digits(g.contiguous(), idx_b, weight.shape[0])
+            if pad is not None:
+                acc[pad] = 0
+            return acc
+
+        return weight, digits
 
     @staticmethod
     @trusted_fn
@@ -35,7 +69,9 @@ class _DetEmbeddingFn(torch.autograd.Function):
         (idx,) = ctx.saved_tensors
         weight = ctx.weight
         if not ctx.needs_input_grad[1]:
-            return None, None, None, None
+            return None, None, None, None, None
+        if ctx.bad is not None:
+            gy = gy.masked_fill(ctx.bad.unsqueeze(-1), 0)
         idx1 = idx.reshape(-1)
         gy2 = gy.reshape(idx1.shape[0], weight.shape[1])
         if gy2.dtype not in _FLOATS:
@@ -70,8 +106,8 @@ class _DetEmbeddingFn(torch.autograd.Function):
 
         if ctx.state is not None:
             ctx.state.contribute(weight, digits, rounded)
-            return None, None, None, None
-        return None, rounded(), None, None
+            return None, None, None, None, None
+        return None, rounded(), None, None, None
 
 
 class DetEmbedding(nn.Embedding):
@@ -112,11 +148,7 @@ class DetEmbedding(nn.Embedding):
         state = self.step_state
         if state is not None:
             state.note_forward_use(self.weight)
-        out = _DetEmbeddingFn.apply(input, self.weight, self.padding_idx, state)
-        if bad is not None:
-            with trusted():
-                out = out.masked_fill(bad.unsqueeze(-1), math.nan)
-        return out
+        return _DetEmbeddingFn.apply(input, self.weight, self.padding_idx, state, bad)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", exact=True"

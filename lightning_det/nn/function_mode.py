@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .attention_routes import MATMUL_FUNCS, NOT_ROUTED, SOFTMAX_FUNCS, det_sdpa_gqa, matmul_route, softmax_route
+from .broadcast_grads import BROADCAST_FUNCS, call_with_exact_broadcasts
 from .loss import cross_entropy_rows, cross_entropy_unsupported, det_cross_entropy_checked
 from .step_state import StepState, StepStateMode
 
@@ -41,6 +42,9 @@ class _DetFunctionMode(StepStateMode):
             out = softmax_route(func, args, kwargs)
             if out is not NOT_ROUTED:
                 return out
+        if func in BROADCAST_FUNCS and self.ldet_step_state is not None:
+            # a gradient that the broadcast would sum over the batch in float goes to exact digits
+            return call_with_exact_broadcasts(func, args, kwargs, self.ldet_step_state, self.strict)
         return func(*args, **kwargs)
 
     def _plans(self):
@@ -103,12 +107,17 @@ def det_function_mode(strict: bool = True, loss_reduce: Optional[Callable] = Non
     ``torch.matmul`` / ``@`` / ``bmm`` / ``mm`` of two float activations -> ``det_matmul``,
     ``F.softmax`` / ``torch.softmax`` / ``Tensor.softmax`` with a ``dim`` -> ``det_softmax``
     (:mod:`lightning_det.nn.attention_routes`).
+    With a ``state``, broadcasting functions (``+ - * /``, ``where``, ``expand``, ``repeat``, ...)
+    route the gradient of a Parameter, a view of one, or a DetEmbedding output that they spread
+    across the batch to exact digits (:mod:`lightning_det.nn.broadcast_grads`).
     A torch function mode is off inside its own handler, so the det kernels' internals are not
     touched. Wrap forward and the loss alike; the backward is the det Functions' own and needs
     no mode. det_ddp applies it around every training and validation step.
 
     Args:
-        strict: cross_entropy options the det version lacks (``weight``, ``label_smoothing``,
+        strict: a tensor that requires grad, is broadcast across the batch (dimension 0) and has no
+            exact gradient route raises :class:`~lightning_det.nn.broadcast_grads.BroadcastGradError`
+            (False: PyTorch's float sum, reported by the op audit); cross_entropy options the det version lacks (``weight``, ``label_smoothing``,
             class-probability targets, (N, C, d1, ...) inputs, float64) raise a ValueError naming
             the argument; with False they warn and run PyTorch's own function (det_ddp's op audit of
             the first step then labels the run unverified).

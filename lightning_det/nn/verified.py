@@ -110,4 +110,10 @@ VERIFIED_FUNCTIONS: dict[str, dict] = {
                         "world size (global mean/sum under det_ddp)", "accumulation", "device"],
         "verified_on": ["cpu", "cuda (H100)"],
     },
+    "broadcasting functions (+ - * /, where, expand, expand_as, broadcast_to, repeat, ...)": {
+        "replacement": "the gradient of a broadcast Parameter (or a view, slice or cast of one, or a "
+                       "DetEmbedding output) summed exactly as digits (lightning_det.nn.broadcast_grads)",
+        "invariances": ["run-to-run", "batch split / accumulation (digit mode)", "world size (det_ddp)"],
+        "verified_on": ["cpu"],
+    },
 }

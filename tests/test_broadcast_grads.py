@@ -1,0 +1,296 @@
+"""Gradients of tensors broadcast across the batch outside any det module (lightning_det.nn.broadcast_grads).
+
+A ViT's ``cls_token.expand`` and ``x + pos_embed``, GPT-2's ``wte(x) + wpe(position_ids)`` with
+position_ids (1, T), a layer scale ``x * gamma + beta``, a slice ``pos_embed[:, :T]`` and a
+parameter used twice: under det_function_mode with a StepState their gradients are exact digits,
+so one batch of 8 and micro-batches of 4 + 4 or 8 x 1 give the same bytes (plain autograd does
+not), and det_ddp at world size 1, 2 and with accumulation 2 gives the same parameters, losses
+and optimizer states.
+"""
+import itertools
+import os
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_bitwise, clean_env
+from torch import nn
+
+import gen
+from bcast_harness import CLASSES, T, VOCAB, BroadcastNet
+from lightning_det.nn import StepState, det_function_mode, det_transform, finalize_grad_digits, set_grad_digits
+from lightning_det.nn.broadcast_grads import BroadcastGradError, exact_reduce_digits
+from lightning_det.ops import det_finalize
+from lightning_det.reference.longacc_ref import ExactSum, digits_of, round_sum
+
+HARNESS = Path(__file__).with_name("bcast_harness.py")
+B = 8
+BROADCAST_PARAMS = ("cls_token", "pos_embed", "gamma", "beta", "wpe.weight")
+
+
+# ---- the exact reduction --------------------------------------------------------------------
+@pytest.mark.parametrize("gshape, shape", [
+    ((6, 5, 7), (1, 5, 7)),  # pos_embed
+    ((6, 5, 7), (7,)),  # a bias or layer scale: leading dims missing
+    ((6, 5, 7), (6, 1, 1)),  # inner dims
+    ((3, 4, 5), (1, 4, 1)),
+    ((4, 3), ()),  # a scalar parameter
+    ((2, 3), (2, 3)),  # no broadcast: the values' own digits
+])
+def test_reduction_equals_the_integer_reference(gshape, shape):
+    g = gen.wide_exponents(gshape, -40, 40, torch.float32, seed=len(gshape) + sum(shape))
+    got = exact_reduce_digits(g, shape)
+    aligned = (1,) * (len(gshape) - len(shape)) + tuple(shape)
+    sums = {}
+    for i in itertools.product(*(range(n) for n in gshape)):
+        o = tuple(0 if a == 1 else k for a, k in zip(aligned, i))[len(gshape) - len(shape):]
+        sums.setdefault(o, ExactSum()).add_value(float(g[i]))
+    keys = sorted(sums)
+    want = torch.tensor([digits_of(sums[k]) for k in keys], dtype=torch.int64).reshape(*shape, -1)
+    assert torch.equal(got, want)
+    rounded = torch.tensor([round_sum(sums[k]) for k in keys], dtype=torch.float32).reshape(shape)
+    assert_bitwise(det_finalize(got), rounded, "rounded once")
+
+
+def test_reduction_is_split_invariant_where_the_float_sum_is_not():
+    g = gen.wide_exponents((64, 3, 5), -30, 30, torch.float32, seed=3)
+    whole = exact_reduce_digits(g, (1, 3, 5))
+    halves = exact_reduce_digits(g[:32], (1, 3, 5)) + exact_reduce_digits(g[32:], (1, 3, 5))
+    from lightning_det.ops import det_normalize
+
+    assert torch.equal(det_normalize(halves), whole)
+    # the control: autograd's float sum over the batch depends on the split
+    assert not torch.equal(g.sum(0, keepdim=True), g[:32].sum(0, keepdim=True) + g[32:].sum(0, keepdim=True))
+
+
+def test_reduction_checks_its_arguments():
+    with pytest.raises(ValueError, match=r"shape: \(3,\) does not broadcast"):
+        exact_reduce_digits(torch.zeros(2, 4), (3,))
+    with pytest.raises(TypeError, match="grad: expected float32"):
+        exact_reduce_digits(torch.zeros(2, 4, dtype=torch.float64), (4,))
+
+
+# ---- a model with every kind of broadcast, in one process -------------------------------------
+def _net(transform=True):
+    torch.manual_seed(1234)
+    net = BroadcastNet()
+    if transform:
+        det_transform(net, filter_fn=lambda m, fqn: fqn != "")
+    return net
+
+
+def _data(seed=0):
+    tokens = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+    w = gen.wide_exponents((B, CLASSES), -20, 20, torch.float32, seed + 1)  # order-sensitive float sums
+    return tokens, w
+
+
+def _det_grads(net, splits, eager=False):
+    """Gradients after one step of micro-batches ``splits`` (row ranges), through the StepState."""
+    tokens, w = _data()
+    state = StepState()
+    set_grad_digits(net, state)
+    for p in net.parameters():
+        p.grad = None
+    for a, b in splits:
+        with state.eager_rounding() if eager else nullcontext():
+            with det_function_mode(state=state):
+                out = net(tokens[a:b])
+            (out * w[a:b]).sum().backward()
+    no_float = [n for n, p in net.named_parameters() if p.grad is not None]
+    assert not no_float, f"float .grad written for {no_float}"
+    assert finalize_grad_digits(state, net.parameters()) == len(list(net.parameters()))
+    return {n: p.grad.clone() for n, p in net.named_parameters()}
+
+
+def _plain_grads(net, splits):
+    tokens, w = _data()
+    for p in net.parameters():
+        p.grad = None
+    for a, b in splits:
+        (net(tokens[a:b]) * w[a:b]).sum().backward()
+    return {n: p.grad.clone() for n, p in net.named_parameters()}
+
+
+WHOLE, HALVES, ONES = [(0, B)], [(0, 4), (4, B)], [(i, i + 1) for i in range(B)]
+
+
+def test_micro_batches_give_the_same_bytes_and_plain_autograd_does_not():
+    net = _net()
+    whole = _det_grads(net, WHOLE)
+    for splits in (HALVES, ONES):
+        got = _det_grads(net, splits)
+        for n in whole:
+            assert_bitwise(got[n], whole[n], f"{n} with micro-batches {splits}")
+    # the values are the gradient (plain fp32 autograd agrees to rounding)
+    plain_net = _net(transform=False)
+    ref = _plain_grads(plain_net, WHOLE)
+    for n in whole:
+        torch.testing.assert_close(whole[n], ref[n], rtol=1e-4, atol=1e-6 * ref[n].abs().max().item())
+    # the control: plain autograd sums the broadcast gradients in float, and the split shows
+    split = _plain_grads(plain_net, HALVES)
+    differ = [n for n in BROADCAST_PARAMS if not torch.equal(split[n], ref[n])]
+    assert differ, "plain autograd gave split-invariant gradients here: the test has no teeth"
+
+
+def test_eager_rounding_gives_the_digit_paths_bytes():
+    net = _net()
+    digits = _det_grads(net, WHOLE)
+    eager = _det_grads(net, WHOLE, eager=True)
+    for n in digits:
+        assert_bitwise(eager[n], digits[n], f"{n}: eager vs digits")
+
+
+def test_bf16_parameters_are_rounded_once_from_the_exact_sum():
+    # a bf16 layer scale broadcast against an fp32 activation: the operand is widened to fp32
+    # (exact) and the fp32 gradients' exact sum is rounded once to bf16
+    gamma = nn.Parameter(gen.normal((5,), torch.float32, 4).to(torch.bfloat16))
+    x = gen.wide_exponents((16, 3, 5), -10, 10, torch.float32, 5)
+    state = StepState()
+    with det_function_mode(state=state):
+        y = x * gamma
+    assert y.dtype == torch.float32
+    y.backward(torch.ones_like(y))
+    assert gamma.grad is None
+    sums = [ExactSum() for _ in range(5)]
+    for row in x.reshape(-1, 5).tolist():
+        for k in range(5):
+            sums[k].add_value(row[k])
+    finalize_grad_digits(state, [gamma])
+    assert_bitwise(gamma.grad, torch.tensor([round_sum(s, torch.bfloat16) for s in sums], dtype=torch.bfloat16))
+
+
+def test_views_and_repeat_route_into_the_viewed_elements():
+    p = nn.Parameter(gen.normal((2, 6, 3), torch.float32, 6))
+    x = gen.normal((4, 4, 3), torch.float32, 7)
+    state = StepState()
+    with det_function_mode(state=state):
+        y = x + p[1:, 1:5]  # a slice: rows 1..4 of the second block only
+        z = p[:1, :1].repeat(4, 2, 1)  # tiled
+    (y.sum() + 3 * z.sum()).backward()
+    finalize_grad_digits(state, [p])
+    want = torch.zeros(2, 6, 3)
+    want[1:, 1:5] = 4.0
+    want[0, 0] += 3 * 8.0
+    assert_bitwise(p.grad, want, "slice + repeat")
+
+
+def test_hf_gpt2_position_embedding_is_exact_across_micro_batches():
+    # GPT-2 adds wpe(position_ids), position_ids of shape (1, T), to the (B, T, D) token embeddings
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=8, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = det_transform(transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa"))
+    tokens, _ = _data()
+    w = gen.wide_exponents((B, T, VOCAB), -20, 20, torch.float32, 3)
+
+    def grads(splits):
+        state = StepState()
+        set_grad_digits(model, state)
+        for a, b in splits:
+            with det_function_mode(state=state):
+                logits = model(tokens[a:b]).logits
+            (logits * w[a:b]).sum().backward()
+        assert all(p.grad is None for p in model.parameters()), "a float .grad was written"
+        finalize_grad_digits(state, model.parameters())
+        out = {n: p.grad for n, p in model.named_parameters()}
+        for p in model.parameters():
+            p.grad = None
+        return out
+
+    whole, halves = grads(WHOLE), grads(HALVES)
+    for n in whole:
+        assert_bitwise(halves[n], whole[n], n)
+
+
+# ---- what cannot be routed -------------------------------------------------------------------
+class _Derived(nn.Module):
+    """A tensor computed from a parameter (not a view of it) broadcast over the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Parameter(torch.ones(1, 4, 8))
+
+    def forward(self, x):
+        return x + self.p * 2
+
+
+def test_strict_names_the_function_shapes_and_grad_fn_chain():
+    with pytest.raises(BroadcastGradError) as ei:
+        with det_function_mode(state=StepState()):
+            _Derived()(torch.randn(3, 4, 8))
+    msg = str(ei.value)
+    for part in ("Tensor.add broadcasts", "(1, 4, 8)", "(3, 4, 8)", "dimension 0 (the batch)",
+                 "MulBackward0 <- _ExactBroadcastBackward <- AccumulateGrad(Parameter (1, 4, 8))", "strict=False"):
+        assert part in msg, msg
+    # the fix the message suggests: expand the Parameter, then compute at full shape
+    m, x, state = _Derived(), torch.randn(3, 4, 8), StepState()
+    with det_function_mode(state=state):
+        y = x + m.p.expand_as(x) * 2
+    y.sum().backward()
+    assert m.p.grad is None and finalize_grad_digits(state, [m.p]) == 1
+    assert torch.equal(m.p.grad, torch.full((1, 4, 8), 6.0))
+    # non-strict: PyTorch's own broadcast (its float sum is for the op audit to report)
+    from lightning_det.parallel.audit import OpAudit
+
+    x = torch.randn(3, 4, 8)
+    m = _Derived()
+    with OpAudit(m) as audit:
+        with det_function_mode(strict=False, state=StepState()):
+            y = m(x)
+        y.sum().backward()
+    assert torch.equal(y, x + 2)
+    assert ("aten.sum", "backward of AddBackward0", 1) in audit.violations(), audit.violations()
+
+
+def test_float64_cannot_be_routed_and_says_so():
+    p = nn.Parameter(torch.ones(4, dtype=torch.float64))
+    with pytest.raises(BroadcastGradError, match="float64 has no exact digit reduction"):
+        with det_function_mode(state=StepState()):
+            torch.ones(2, 4, dtype=torch.float64) * p
+
+
+def test_without_a_state_nothing_is_routed():
+    p = nn.Parameter(torch.ones(4))
+    with det_function_mode():
+        y = torch.ones(2, 4) * p
+    y.sum().backward()
+    assert torch.equal(p.grad, torch.full((4,), 2.0))
+
+
+# ---- det_ddp, several processes -------------------------------------------------------------
+def _run(tmp_path, devices=1, accum=1, strategy="det_ddp"):
+    out = tmp_path / f"{strategy}-{devices}-{accum}.pt"
+    cmd = [sys.executable, str(HARNESS), "--devices", str(devices), "--accum", str(accum), "--strategy", strategy,
+           "--out", str(out)]
+    import subprocess
+
+    proc = subprocess.run(cmd, env=clean_env(MKL_NUM_THREADS="1"), cwd=HARNESS.parent.parent, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, f"{cmd[2:]}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return torch.load(out)
+
+
+def _assert_same_run(got, want, what):
+    for n in want["params"]:
+        assert_bitwise(got["params"][n], want["params"][n], f"{what}: {n}")
+    for i, (sa, sb) in enumerate(zip(got["opt_state"], want["opt_state"])):
+        for k in sb:
+            assert torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k])), f"{what}: optimizer state {i} {k}"
+
+
+@pytest.mark.slow
+def test_det_ddp_world_size_and_accumulation_invariance(tmp_path):
+    ws1 = _run(tmp_path)
+    assert ws1["sync"]["rounded_only"] == 0 and ws1["verified"] is True
+    ws2 = _run(tmp_path, devices=2)
+    assert ws2["sync"]["rounded_only"] == 0 and ws2["verified"] is True
+    _assert_same_run(ws2, ws1, "world size 2 vs 1")
+    assert [l.item() for l in ws2["losses"]] == [l.item() for l in ws1["losses"]]
+    _assert_same_run(_run(tmp_path, accum=2), ws1, "accumulation 2 vs 1")
+    # the control: Lightning's plain DDP at world sizes 1 and 2 differs
+    d1, d2 = _run(tmp_path, strategy="ddp"), _run(tmp_path, devices=2, strategy="ddp")
+    assert any(not torch.equal(d1["params"][n], d2["params"][n]) for n in d1["params"])
