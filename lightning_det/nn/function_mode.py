@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .attention import det_scaled_dot_product_attention
+from .dropout import functional_dropout, sdpa_dropout_key
 from .loss import cross_entropy_rows, cross_entropy_unsupported, det_cross_entropy_checked
 from .step_state import StepState, StepStateMode
 
@@ -34,7 +35,13 @@ class _DetFunctionMode(StepStateMode):
                 raise ValueError("enable_gqa: det attention does not support grouped-query attention; "
                                  "repeat the key/value heads first")
             state = self.ldet_step_state
-            return det_scaled_dot_product_attention(*args, plans="default" if state is None else state.plans, **kwargs)
+            dropout_key, fallback = sdpa_dropout_key(args, kwargs, state, self.strict)
+            if fallback:  # dropout_p > 0 without a position, non-strict: PyTorch's own, unverified
+                return func(*args, **kwargs)
+            return det_scaled_dot_product_attention(*args, plans="default" if state is None else state.plans,
+                                                    dropout_key=dropout_key, **kwargs)
+        if func is F.dropout:
+            return functional_dropout(func, args, kwargs, self.ldet_step_state, self.strict)
         if func is F.cross_entropy:
             return self._cross_entropy(func, args, kwargs)
         return func(*args, **kwargs)
@@ -90,7 +97,9 @@ def det_function_mode(strict: bool = True, loss_reduce: Optional[Callable] = Non
             loss = F.cross_entropy(y, t)   # also nn.CrossEntropyLoss: exact, device-invariant
 
     Redirected: ``F.scaled_dot_product_attention`` -> :func:`det_scaled_dot_product_attention`
-    and ``F.cross_entropy`` (which ``nn.CrossEntropyLoss`` calls) -> :func:`det_cross_entropy`.
+    and ``F.cross_entropy`` (which ``nn.CrossEntropyLoss`` calls) -> :func:`det_cross_entropy`;
+    ``F.dropout`` and attention's ``dropout_p > 0`` draw keyed masks from the state's position
+    (:mod:`lightning_det.nn.dropout`).
     A torch function mode is off inside its own handler, so the det kernels' internals are not
     touched. Wrap forward and the loss alike; the backward is the det Functions' own and needs
     no mode. det_ddp applies it around every training and validation step.
@@ -99,7 +108,9 @@ def det_function_mode(strict: bool = True, loss_reduce: Optional[Callable] = Non
         strict: cross_entropy options the det version lacks (``weight``, ``label_smoothing``,
             class-probability targets, (N, C, d1, ...) inputs, float64) raise a ValueError naming
             the argument; with False they warn and run PyTorch's own function (det_ddp's op audit of
-            the first step then labels the run unverified).
+            the first step then labels the run unverified). Training-mode dropout without a
+            ``state.position`` raises a RuntimeError saying how to provide one; with False it
+            warns and runs PyTorch's dropout (unverified).
         loss_reduce: ``(per_row_losses fp32 (N,), valid bool (N,), reduction, out_dtype) -> loss``
             used for reduction 'mean' and 'sum' instead of this process's exact reduction; one
             that also takes ``count=`` gets the number of valid rows (known here already).

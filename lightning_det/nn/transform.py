@@ -22,7 +22,10 @@ Which modules are swapped, first rule that applies:
    ``SiLUActivation``, ``NewGELUActivation``, ``GELUActivation``, ``GELUTanh``.
 
 Everything else is reported (strict: raised) when it holds parameters directly, or when it is
-an activation module (from ``torch.nn`` or ``transformers.activations``) with no Det version.
+an activation or dropout module (from ``torch.nn`` or ``transformers.activations``) with no Det
+version. Each DetDropout is keyed by its qualified name in ``model`` (its ``site``), and those
+inside ``batch_first=False`` transformer layers take their batch from dimension 1
+(:mod:`lightning_det.nn.dropout`).
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from torch import nn
 
 from .activation import DetGELU, DetReLU, DetSiLU, DetTanh
 from .conv1d import DetConv1D
+from .dropout import DetDropout, name_dropouts
 from .embedding import DetEmbedding, _check_options
 from .linear import DetLinear
 from .lookalikes import match_lookalike
@@ -55,6 +59,7 @@ _SWAPS: dict[type, type] = {
     nn.SiLU: DetSiLU,
     nn.Tanh: DetTanh,
     nn.ReLU: DetReLU,
+    nn.Dropout: DetDropout,
 }
 DET_MODULES: tuple[type, ...] = tuple(_SWAPS.values()) + (DetConv1D,)
 
@@ -63,7 +68,8 @@ _REGISTERED: dict[type, Callable[[nn.Module], nn.Module]] = {}
 
 # where activation modules live: a parameterless module from these that is not swapped is
 # reported, since its op would otherwise be found only by the first step's audit
-_ACTIVATION_MODULES = ("torch.nn.modules.activation", "transformers.activations")
+# (Dropout1d/2d/3d and AlphaDropout too: their masks would come from the per-rank RNG)
+_ACTIVATION_MODULES = ("torch.nn.modules.activation", "torch.nn.modules.dropout", "transformers.activations")
 
 
 class UnsupportedModuleError(ValueError):
@@ -197,5 +203,6 @@ def det_transform(
             + ", ".join(uncovered),
             stacklevel=2,
         )
+    name_dropouts(model, strict)  # keyed dropout: each DetDropout's site is its qualified name
     setattr(model, UNVERIFIED_ATTR, uncovered)
     return model

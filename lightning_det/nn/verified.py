@@ -45,6 +45,12 @@ VERIFIED_MODULES: dict[str, dict] = {
              "also_matches": ["HF SiLUActivation"]},
     "Tanh": {"replacement": "DetTanh", "invariances": list(_COMMON), "verified_on": ["cpu", "cuda (H200)"]},
     "ReLU": {"replacement": "DetReLU", "invariances": list(_COMMON), "verified_on": ["cpu", "cuda (H200)"]},
+    "Dropout": {
+        "replacement": "DetDropout",
+        "also_matches": ["subclasses that keep forward"],
+        "invariances": ["run-to-run", "batch (row count)", "world size (det_ddp)", "accumulation"],
+        "verified_on": ["cpu"],
+    },
     "transformers.pytorch_utils.Conv1D": {
         "replacement": "DetConv1D",
         "invariances": _COMMON + ["accumulation (digit mode)"],
@@ -54,11 +60,17 @@ VERIFIED_MODULES: dict[str, dict] = {
 
 #: PyTorch functions that ``det_function_mode`` (applied by det_ddp around training and
 #: validation steps) sends to a det version. Same keys as above; tests: tests/test_attention.py,
-#: tests/test_det_cross_entropy.py. "device" is listed once the CUDA test has passed on a GPU.
+#: tests/test_det_cross_entropy.py, tests/test_keyed_dropout.py. "device" is listed once the CUDA
+#: test has passed on a GPU.
 VERIFIED_FUNCTIONS: dict[str, dict] = {
     "torch.nn.functional.scaled_dot_product_attention": {
         "replacement": "det_scaled_dot_product_attention",
         "invariances": ["run-to-run", "batch (sequences)", "heads", "world size (det_ddp)"],
+        "verified_on": ["cpu"],
+    },
+    "torch.nn.functional.dropout": {
+        "replacement": "keyed dropout (lightning_det.nn.dropout; also attention's dropout_p > 0)",
+        "invariances": ["run-to-run", "batch (row count)", "world size (det_ddp)", "accumulation"],
         "verified_on": ["cpu"],
     },
     "torch.nn.functional.cross_entropy": {
