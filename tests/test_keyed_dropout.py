@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from conftest import cuda
+
 from lightning_det.nn import BatchPosition, StepState, det_function_mode, det_transform, set_grad_digits
 from lightning_det.nn.attention import det_scaled_dot_product_attention
 from lightning_det.nn.dropout import DetDropout
@@ -111,6 +113,46 @@ def test_values_and_backward_use_one_mask(dtype):
     gy = torch.randn(y.shape, generator=g).to(dtype)
     y.backward(gy)
     assert torch.equal(x.grad, gy * torch.where(keep, torch.tensor(s, dtype=dtype), torch.tensor(0.0, dtype=dtype)))
+
+
+def test_opcheck():
+    torch.library.opcheck(torch.ops.ldet.dropout_mask.default, (torch.empty(4, 6, 3), 1, 2**31, 5, 2, 3, -77))
+
+
+@cuda
+@pytest.mark.parametrize("shape,batch_dim,offset", [((8, 33), 0, 0), ((5, 3, 123), 1, 7), ((2, 3, 4, 5), 2, 2**31),
+                                                    ((1, 1000003), 0, 11)])
+def test_mask_cpu_equals_cuda(shape, batch_dim, offset):
+    x = torch.empty(shape)
+    k = key(offset=offset, samples=shape[batch_dim], step=2**35 + 3, seed=99)
+    assert torch.equal(dropout_mask(x.cuda(), 0.37, k, batch_dim).cpu(), dropout_mask(x, 0.37, k, batch_dim))
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dropout_and_attention_dropout_cpu_equal_cuda(dtype):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 7, 33, generator=g).to(dtype)
+    gy = torch.randn(6, 7, 33, generator=g).to(dtype)
+
+    def run(dev):
+        xx = x.to(dev).requires_grad_()
+        y = keyed_dropout(xx, 0.2, key(samples=6))
+        y.backward(gy.to(dev))
+        return y.cpu(), xx.grad.cpu()
+
+    for a, b in zip(run("cpu"), run("cuda")):
+        assert torch.equal(a, b)
+    q, k, v = (t.detach().to(dtype) for t in _qkv(3, seed=4))
+
+    def attn(dev):
+        qq, kk, vv = (t.to(dev).requires_grad_() for t in (q, k, v))
+        o = det_scaled_dot_product_attention(qq, kk, vv, dropout_p=0.3, dropout_key=key(samples=3))
+        o.backward(torch.ones_like(o))
+        return [t.cpu() for t in (o, qq.grad, kk.grad, vv.grad)]
+
+    for a, b in zip(attn("cpu"), attn("cuda")):
+        assert torch.equal(a, b)
 
 
 def test_key_and_argument_errors():
