@@ -249,6 +249,14 @@ def test_wrong_batch_dim_raises_naming_the_shape():
         m[1](torch.ones(5, 4, 16))  # sequence-first input to a batch_dim 0 module
     m[1].batch_dim = 1
     assert m[1](torch.ones(5, 4, 16)).shape == (5, 4, 16)
+    # non-strict: a warning and PyTorch's dropout, no ValueError
+    m[1].strict = False
+    with pytest.warns(UserWarning, match=r"shape \(4, 5, 16\) has no batch dimension 1"):
+        m[1](torch.ones(4, 5, 16))
+    with det_function_mode(strict=False, state=_state(size=4)), pytest.warns(UserWarning, match="PyTorch's"):
+        F.dropout(torch.ones(8, 3), 0.5)  # e.g. attention weights (B * heads, L, S)
+        q = torch.randn(8, 1, 3, 4)
+        F.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
 
 
 def test_functional_calls_are_counted_per_micro_batch():
@@ -298,6 +306,15 @@ def test_strict_audit_sees_no_rng_op():
     with OpAudit(plain) as audit:
         plain(x)
     assert any(op.startswith("aten.bernoulli") for op, _, _ in audit.violations())
+
+
+def test_strategy_dropout_seed():
+    from lightning_det.strategy import DeterministicStrategy
+
+    assert DeterministicStrategy(seed=5).step_state.dropout_seed == 5
+    assert DeterministicStrategy(seed=5, dropout_seed=9).step_state.dropout_seed == 9
+    with pytest.raises(ValueError, match="dropout_seed"):
+        DeterministicStrategy(dropout_seed=1.5)
 
 
 # ---- attention dropout ----------------------------------------------------------------------------

@@ -111,11 +111,24 @@ def functional_dropout(func, args, kwargs, state: Optional[StepState], strict: b
     a.apply_defaults()
     x, p, training, inplace = (a.arguments[k] for k in ("input", "p", "training", "inplace"))
     if not training or p == 0:
-        return func(*args, **kwargs)  # the identity, as PyTorch
+        return x  # the identity: PyTorch returns its input too (and nothing reaches the audit)
     key = dropout_key(state, FUNCTIONAL_SITE, strict, "F.dropout")
-    if key is None:
+    if key is None or not _fits(x, 0, key, strict, "F.dropout"):
         return func(*args, **kwargs)
     return keyed_dropout(x, p, key, batch_dim=0, inplace=inplace)
+
+
+def _fits(x, batch_dim: int, key: DropoutKey, strict: bool, what: str) -> bool:
+    """Whether x holds the micro-batch's samples along batch_dim. Strict: True, and keyed_dropout
+    raises a ValueError naming the shape if not; non-strict: False (after a warning) if not, and
+    the caller runs PyTorch's dropout."""
+    if strict or (isinstance(x, torch.Tensor) and -x.dim() <= batch_dim < x.dim()
+                  and x.shape[batch_dim] == key.samples):
+        return True
+    shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+    warnings.warn(f"{what}: input of shape {shape} has no batch dimension {batch_dim} of the micro-batch's "
+                  f"{key.samples} samples; PyTorch's dropout runs instead (outside the verified set)", stacklevel=4)
+    return False
 
 
 def sdpa_dropout_key(args, kwargs, state: Optional[StepState], strict: bool):
@@ -124,8 +137,12 @@ def sdpa_dropout_key(args, kwargs, state: Optional[StepState], strict: bool):
     p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
     if p == 0:
         return None, False
-    key = dropout_key(state, FUNCTIONAL_SITE, strict, "F.scaled_dot_product_attention(dropout_p > 0)")
-    return key, key is None
+    what = "F.scaled_dot_product_attention(dropout_p > 0)"
+    key = dropout_key(state, FUNCTIONAL_SITE, strict, what)
+    query = args[0] if args else kwargs.get("query")
+    if key is None or not _fits(query, 0, key, strict, what):
+        return None, True
+    return key, False
 
 
 class DetDropout(nn.Dropout):
@@ -169,7 +186,7 @@ class DetDropout(nn.Dropout):
             raise RuntimeError(f"{what}: has no site name, which keys its masks; run det_transform(model) (it "
                                "names each DetDropout by its qualified name) or pass DetDropout(site=...)")
         key = dropout_key(state, self.site or "", self.strict, what)
-        if key is None:
+        if key is None or not _fits(input, self.batch_dim, key, self.strict, what):
             return torch.dropout_(input, self.p, True) if self.inplace else torch.dropout(input, self.p, True)
         return keyed_dropout(input, self.p, key, batch_dim=self.batch_dim, inplace=self.inplace)
 

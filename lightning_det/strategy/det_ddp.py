@@ -14,6 +14,9 @@ How it differs from Lightning's DDPStrategy:
   slice of every global batch;
 - ``F.scaled_dot_product_attention`` and ``F.cross_entropy`` in the model run through the exact,
   device-invariant det versions (``det_function_mode`` around training and validation steps);
+- dropout (``DetDropout``, ``F.dropout``, attention ``dropout_p``) draws masks keyed by
+  (``dropout_seed``, step, global sample, call site), from the micro-batch's ``BatchPosition``
+  set in every training step: the same mask for a sample at every world size and split;
 - value checks of a training step's inputs (cross-entropy targets) are resolved after its
   backward is queued and before its gradients are reduced and applied, not with a host
   synchronization in the forward (``lightning_det.ops.deferred_checks``);
