@@ -49,6 +49,7 @@ SPECS = [
     ("test_gelu_fast", ""),
     ("test_gpt_char", "cuda"),
     ("test_int_slices", "cuda"),
+    ("test_keyed_dropout", "cuda"),
     ("test_norm_op", "cuda"),
     ("test_ops_api", ""),
     ("test_scatter_sum", "cuda"),

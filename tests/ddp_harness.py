@@ -34,13 +34,16 @@ def weights_digest(module, buffers: bool = False) -> str:
 
 
 class SdpaBlock(nn.Module):
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, dropout_p: float = 0.0):
         super().__init__()
         self.qkv = nn.Linear(dim, 3 * dim)
+        self.dropout_p = dropout_p
 
     def forward(self, x):
         q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)  # (B, 1 head, L, dim)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).squeeze(1)
+        p = self.dropout_p if self.training else 0.0
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True).squeeze(1)
+        return out if p == 0.0 else F.dropout(out, p, self.training)  # and a functional dropout
 
 
 class TinyResNet(nn.Module):
@@ -105,6 +108,9 @@ def make_model(kind: str, vocab: int, dim: int, classes: int) -> nn.Module:
                              nn.GELU(), nn.Linear(64, classes))
     if kind == "attn":  # a user-written attention calling F.scaled_dot_product_attention directly
         return nn.Sequential(nn.Embedding(vocab, dim), SdpaBlock(dim), nn.Flatten(), nn.Linear(4 * dim, classes))
+    if kind == "mlp_dropout":  # attention dropout, F.dropout and nn.Dropout
+        return nn.Sequential(nn.Embedding(vocab, dim), SdpaBlock(dim, dropout_p=0.2), nn.Flatten(),
+                             nn.Linear(4 * dim, 64), nn.ReLU(), nn.Dropout(0.25), nn.Linear(64, classes))
     if kind == "linear":  # Linear/ReLU only
         return nn.Sequential(nn.Flatten(), nn.Linear(4 * dim, 64), nn.ReLU(), nn.Linear(64, classes))
     raise ValueError(kind)

@@ -131,7 +131,7 @@ def test_causal_future_keys_have_no_influence():
 
 def test_argument_errors():
     q, k, v = _inputs((1, 1, 4, 4), 4, 4)
-    with pytest.raises(ValueError, match="dropout_p"):
+    with pytest.raises(ValueError, match="dropout_key"):  # keyed masks need the call's key
         dsdpa(q, k, v, dropout_p=0.1)
     with pytest.raises(ValueError, match="key: expected shape"):
         dsdpa(q, k[..., :3], v)

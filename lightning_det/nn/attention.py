@@ -1,7 +1,8 @@
 """Deterministic scaled dot-product attention: exact GEMMs, a row-wise exact softmax, exact backward.
 
 ``det_scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
-scale=None)`` has the semantics of ``F.scaled_dot_product_attention`` (dropout 0 only). Per
+scale=None)`` has the semantics of ``F.scaled_dot_product_attention`` (dropout with keyed masks:
+``P`` below is multiplied by the mask times 1/(1-p) before ``P V``, and ``dP`` by the same). Per
 (batch, head) slice ``i`` and query row ``r``, all in fp32 (bf16/fp16 inputs are widened exactly):
 
     S   = round(exact Q K^T) * scale            (det_gemm, then one correctly rounded multiply)
@@ -40,6 +41,7 @@ import torch
 from torch import nn
 
 from ..ops import det_finalize, det_gemm
+from ..ops.dropout import DropoutKey, dropout_multiplier
 from ..ops.trust import trusted_fn
 from .functional import det_exp, det_row_sums
 from .linear import DetLinear
@@ -68,8 +70,9 @@ def _row_sum(a: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
 class _DetSDPA(torch.autograd.Function):
     @staticmethod
     @trusted_fn
-    def forward(ctx, q, k, v, mask, scale, plans):
-        # q (N, Lq, E), k (N, Lk, E), v (N, Lk, Ev); mask None, bool (N, Lq, Lk) or float (N, Lq, Lk)
+    def forward(ctx, q, k, v, mask, scale, plans, dropout):
+        # q (N, Lq, E), k (N, Lk, E), v (N, Lk, Ev); mask None, bool (N, Lq, Lk) or float (N, Lq, Lk);
+        # dropout None or (p, DropoutKey, B): N = B * heads, sample b owns slices b * N/B ...
         qf, kf, vf = q.float(), k.float(), v.float()  # exact widening
         scale_t = torch.tensor(scale, dtype=torch.float32, device=q.device)  # rounded once, fixed
         s = _slices_gemm(qf, kf, torch.float32, plans) * scale_t
@@ -78,28 +81,57 @@ class _DetSDPA(torch.autograd.Function):
         m = s.amax(dim=-1, keepdim=True)
         e = det_exp(s - m)
         p = e / _row_sum(e)
-        out = _slices_gemm(p, vf.transpose(1, 2), q.dtype, plans)
-        ctx.save_for_backward(qf, kf, vf, p, scale_t)
+        keep = None
+        if dropout is not None:
+            keep = _dropout_keep(p, dropout)
+        out = _slices_gemm(p if keep is None else p * keep, vf.transpose(1, 2), q.dtype, plans)
+        ctx.save_for_backward(qf, kf, vf, p, scale_t, keep)
         ctx.dtypes, ctx.plans = (q.dtype, k.dtype, v.dtype), plans
         return out
 
     @staticmethod
     @trusted_fn
     def backward(ctx, d_out):
-        qf, kf, vf, p, scale_t = ctx.saved_tensors
+        qf, kf, vf, p, scale_t, keep = ctx.saved_tensors
         q_dtype, k_dtype, v_dtype = ctx.dtypes
         do = d_out.float()
         dq = dk = dv = None
         if ctx.needs_input_grad[2]:
-            dv = _slices_gemm(p.transpose(1, 2), do.transpose(1, 2), v_dtype, ctx.plans)
+            pd = p if keep is None else p * keep
+            dv = _slices_gemm(pd.transpose(1, 2), do.transpose(1, 2), v_dtype, ctx.plans)
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             dp = _slices_gemm(do, vf, torch.float32, ctx.plans)
+            if keep is not None:
+                dp = dp * keep  # the gradient through P * keep: the same mask and scale
             ds = p * (dp - _row_sum(p, dp)) * scale_t  # masked keys: p == 0, so ds == 0
             if ctx.needs_input_grad[0]:
                 dq = _slices_gemm(ds, kf.transpose(1, 2), q_dtype, ctx.plans)
             if ctx.needs_input_grad[1]:
                 dk = _slices_gemm(ds.transpose(1, 2), qf.transpose(1, 2), k_dtype, ctx.plans)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
+
+
+def _dropout_keep(p: torch.Tensor, dropout) -> torch.Tensor:
+    """fp32 (N, Lq, Lk): 1/(1-p) where the keyed mask keeps P's element, 0 elsewhere."""
+    prob, key, b = dropout
+    return dropout_multiplier(p.view(b, -1), prob, key).view(p.shape)
+
+
+def _dropout_arg(dropout_p, dropout_key, lead):
+    """None (no dropout) or (p, key, batch size) for _DetSDPA, checked."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p: expected a float in [0, 1], got {dropout_p!r}")
+    if dropout_p == 0:
+        return None
+    if not isinstance(dropout_key, DropoutKey):
+        raise ValueError(
+            f"dropout_key: dropout_p={dropout_p} needs the call's DropoutKey (keyed masks, the same for a sample "
+            "at every world size); under det_ddp det_function_mode passes it, got "
+            f"{type(dropout_key).__name__}")
+    if len(lead) < 1 or lead[0] != dropout_key.samples:
+        raise ValueError(f"query: expected its first dimension to be the batch of {dropout_key.samples} samples "
+                         f"(dropout_key.samples), got leading dimensions {lead}")
+    return float(dropout_p), dropout_key, lead[0]
 
 
 def _check(t, name: str) -> None:
@@ -122,6 +154,7 @@ def det_scaled_dot_product_attention(
     scale: Optional[float] = None,
     *,
     plans="default",
+    dropout_key: Optional[DropoutKey] = None,
 ) -> torch.Tensor:
     """Exact, batch- and head-invariant ``F.scaled_dot_product_attention`` (see the module docstring).
 
@@ -131,11 +164,17 @@ def det_scaled_dot_product_attention(
         value: (..., Lk, Ev), the same leading dims and dtype as ``query``.
         attn_mask: optional, broadcastable to (..., Lq, Lk): bool (True = may attend) or float
             (added to the scores). Treated as a constant (no gradient).
-        dropout_p: must be 0.0 (dropout would need a deterministic RNG stream; not supported).
+        dropout_p: attention dropout, applied to the probabilities as PyTorch does (``P * m``
+            before ``P @ V``, ``m`` = 1/(1-p) where kept, 0 where dropped; the backward uses the
+            same ``m``). The mask is keyed (:mod:`lightning_det.ops.dropout`) over each sample's
+            (head, query, key) elements: ``dropout_key`` is required when dropout_p > 0, and
+            the first dimension of query is the batch (its size is ``dropout_key.samples``).
         is_causal: query r attends keys j <= r (upper-left aligned, as PyTorch). Not with attn_mask.
         scale: score scale, default ``1 / sqrt(E)``.
         plans: how the exact GEMMs plan their integer slices, as
             :func:`lightning_det.ops.det_gemm`'s (the bytes never depend on it).
+        dropout_key: the call's :class:`~lightning_det.ops.dropout.DropoutKey` (det_function_mode
+            makes one from the step state's position); ignored when dropout_p is 0.
 
     Returns:
         (..., Lq, Ev) of ``query``'s dtype.
@@ -143,8 +182,6 @@ def det_scaled_dot_product_attention(
     _check(query, "query")
     _check(key, "key")
     _check(value, "value")
-    if dropout_p != 0.0:
-        raise ValueError(f"dropout_p: det attention supports only dropout_p=0.0, got {dropout_p}")
     lead = tuple(query.shape[:-2])
     lq, e = query.shape[-2:]
     lk = key.shape[-2]
@@ -175,8 +212,9 @@ def det_scaled_dot_product_attention(
         if mask.dtype != torch.bool:
             mask = mask.detach()
     scale = 1.0 / math.sqrt(e) if scale is None else float(scale)
+    dropout = _dropout_arg(dropout_p, dropout_key, lead)
     out = _DetSDPA.apply(query.reshape(n, lq, e), key.reshape(n, lk, e), value.reshape(n, lk, value.shape[-1]),
-                         mask, scale, plans)
+                         mask, scale, plans, dropout)
     return out.reshape(*lead, lq, value.shape[-1])
 
 

@@ -69,11 +69,11 @@ def softmax_route(func, args, kwargs):
 
 
 def det_sdpa_gqa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                 enable_gqa=False, *, plans="default"):
+                 enable_gqa=False, *, plans="default", dropout_key=None):
     """det_scaled_dot_product_attention with ``F.scaled_dot_product_attention``'s ``enable_gqa``."""
     if not enable_gqa or query.dim() < 3 or key.dim() < 3 or query.shape[-3] == key.shape[-3]:
         return det_scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                                                is_causal=is_causal, scale=scale, plans=plans)
+                                                is_causal=is_causal, scale=scale, plans=plans, dropout_key=dropout_key)
     h, hkv = query.shape[-3], key.shape[-3]
     if h % hkv or value.shape[-3] != hkv:
         raise ValueError(f"key, value: with enable_gqa the query heads ({h}) must be a multiple of the key/value "
@@ -97,5 +97,5 @@ def det_sdpa_gqa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
                              f"got {tuple(mask.shape)}") from err
         mask = mask.reshape(*lead, hkv, g * lq, lk)
     out = det_scaled_dot_product_attention(query.reshape(*lead, hkv, g * lq, e), key, value, attn_mask=mask,
-                                           dropout_p=dropout_p, scale=scale, plans=plans)
+                                           dropout_p=dropout_p, scale=scale, plans=plans, dropout_key=dropout_key)
     return out.reshape(*lead, h, lq, value.shape[-1])

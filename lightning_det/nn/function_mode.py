@@ -13,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 
 from .attention_routes import MATMUL_FUNCS, NOT_ROUTED, SOFTMAX_FUNCS, det_sdpa_gqa, matmul_route, softmax_route
 from .broadcast_grads import BROADCAST_FUNCS, call_with_exact_broadcasts
+from .dropout import functional_dropout, sdpa_dropout_key
 from .loss import cross_entropy_rows, cross_entropy_unsupported, det_cross_entropy_checked
 from .step_state import StepState, StepStateMode
 
@@ -31,7 +32,13 @@ class _DetFunctionMode(StepStateMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is F.scaled_dot_product_attention:
-            return det_sdpa_gqa(*args, plans=self._plans(), **kwargs)
+            state = self.ldet_step_state
+            dropout_key, fallback = sdpa_dropout_key(args, kwargs, state, self.strict)
+            if fallback:  # dropout_p > 0 without a position, non-strict: PyTorch's own, unverified
+                return func(*args, **kwargs)
+            return det_sdpa_gqa(*args, plans=self._plans(), dropout_key=dropout_key, **kwargs)
+        if func is F.dropout:
+            return functional_dropout(func, args, kwargs, self.ldet_step_state, self.strict)
         if func is F.cross_entropy:
             return self._cross_entropy(func, args, kwargs)
         if func in MATMUL_FUNCS:
@@ -110,6 +117,8 @@ def det_function_mode(strict: bool = True, loss_reduce: Optional[Callable] = Non
     With a ``state``, broadcasting functions (``+ - * /``, ``where``, ``expand``, ``repeat``, ...)
     route the gradient of a Parameter, a view of one, or a DetEmbedding output that they spread
     across the batch to exact digits (:mod:`lightning_det.nn.broadcast_grads`).
+    ``F.dropout`` and attention's ``dropout_p > 0`` draw keyed masks from the state's position
+    (:mod:`lightning_det.nn.dropout`).
     A torch function mode is off inside its own handler, so the det kernels' internals are not
     touched. Wrap forward and the loss alike; the backward is the det Functions' own and needs
     no mode. det_ddp applies it around every training and validation step.
@@ -120,7 +129,9 @@ def det_function_mode(strict: bool = True, loss_reduce: Optional[Callable] = Non
             (False: PyTorch's float sum, reported by the op audit); cross_entropy options the det version lacks (``weight``, ``label_smoothing``,
             class-probability targets, (N, C, d1, ...) inputs, float64) raise a ValueError naming
             the argument; with False they warn and run PyTorch's own function (det_ddp's op audit of
-            the first step then labels the run unverified).
+            the first step then labels the run unverified). Training-mode dropout without a
+            ``state.position`` raises a RuntimeError saying how to provide one; with False it
+            warns and runs PyTorch's dropout (unverified).
         loss_reduce: ``(per_row_losses fp32 (N,), valid bool (N,), reduction, out_dtype) -> loss``
             used for reduction 'mean' and 'sum' instead of this process's exact reduction; one
             that also takes ``count=`` gets the number of valid rows (known here already).

@@ -13,10 +13,12 @@ reads it back when the step's gradients are rounded. It holds:
 - ``checks``: value checks of the step's inputs, resolved by the owner (DeferredChecks);
 - ``position``: where this process's micro-batch sits in the optimizer step's global batch
   (:class:`BatchPosition`), which keyed dropout and global-batch statistics need; None outside a
-  training step;
+  training step. Setting it starts a micro-batch: the keyed dropout call counts start afresh;
 - ``batch_norm_group_size``: None (BatchNorm normalizes over the whole global micro-batch), or G:
   BatchNorm's normalization groups are G consecutive global samples (ghost batch norm,
   :mod:`lightning_det.nn.batch_norm`), the same at every world size and accumulation that G divides;
+- ``dropout_seed``: the seed of keyed dropout (:mod:`lightning_det.nn.dropout`), and
+  ``dropout_calls``: its per-site call counts within the current micro-batch;
 - ``reduce_digits``: returns a LongAcc's exact sum over every rank (the strategy's exact
   all-reduce; the identity at world size 1), for statistics that cross ranks inside the forward
   or backward;
@@ -93,7 +95,9 @@ class StepState:
         self.plans = plans
         self.eager = False
         self.global_mean_used = False
-        self.position: Optional[BatchPosition] = None
+        self.dropout_seed = 0
+        self.dropout_calls: Dict[str, int] = {}
+        self.position = None
         self.batch_norm_group_size: Optional[int] = None
         self.reduce_digits: Callable[[LongAcc], LongAcc] = _no_reduce
         self.checks = DeferredChecks()
@@ -101,6 +105,17 @@ class StepState:
         self._digits: Dict[int, list] = {}
         self._rounded: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> (param, grad)
         self._uses: Dict[int, list] = {}  # id(param) -> [param, forward uses whose backward is due]
+
+    @property
+    def position(self) -> Optional[BatchPosition]:
+        return self._position
+
+    @position.setter
+    def position(self, value: Optional[BatchPosition]) -> None:
+        if value is not None and not isinstance(value, BatchPosition):
+            raise TypeError(f"position: expected a BatchPosition or None, got {type(value).__name__}")
+        self._position = value
+        self.dropout_calls = {}  # a new micro-batch: its dropout calls are counted from 0
 
     # ---- forward ---------------------------------------------------------------------------
     def note_forward_use(self, *params: Optional[torch.Tensor]) -> None:

@@ -22,7 +22,10 @@ Which modules are swapped, first rule that applies:
    ``SiLUActivation``, ``NewGELUActivation``, ``GELUActivation``, ``GELUTanh``.
 
 Everything else is reported (strict: raised) when it holds parameters directly, or when it is
-an activation module (from ``torch.nn`` or ``transformers.activations``) with no Det version.
+an activation or dropout module (from ``torch.nn`` or ``transformers.activations``) with no Det
+version. Each DetDropout is keyed by its qualified name in ``model`` (its ``site``), and those
+inside ``batch_first=False`` transformer layers take their batch from dimension 1
+(:mod:`lightning_det.nn.dropout`).
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from .activation import DetGELU, DetReLU, DetSiLU, DetTanh
 from .batch_norm import DetBatchNorm1d, DetBatchNorm2d
 from .conv import DetConv1d, DetConv2d
 from .conv1d import DetConv1D
+from .dropout import DetDropout, name_dropouts
 from .embedding import DetEmbedding, _check_options
 from .group_norm import DetGroupNorm
 from .linear import DetLinear
@@ -68,6 +72,7 @@ _SWAPS: dict[type, type] = {
     nn.GroupNorm: DetGroupNorm,
     nn.AdaptiveAvgPool2d: DetAdaptiveAvgPool2d,
     nn.MaxPool2d: DetMaxPool2d,
+    nn.Dropout: DetDropout,
 }
 DET_MODULES: tuple[type, ...] = tuple(_SWAPS.values()) + (
     DetConv1D, DetMultiheadAttention, DetTransformerEncoderLayer, DetTransformerEncoder, DetTransformerDecoderLayer)
@@ -77,7 +82,8 @@ _REGISTERED: dict[type, Callable[[nn.Module], nn.Module]] = {}
 
 # where activation modules live: a parameterless module from these that is not swapped is
 # reported, since its op would otherwise be found only by the first step's audit
-_ACTIVATION_MODULES = ("torch.nn.modules.activation", "transformers.activations")
+# (Dropout1d/2d/3d and AlphaDropout too: their masks would come from the per-rank RNG)
+_ACTIVATION_MODULES = ("torch.nn.modules.activation", "torch.nn.modules.dropout", "transformers.activations")
 
 
 class UnsupportedModuleError(ValueError):
@@ -217,5 +223,6 @@ def det_transform(
             + ", ".join(uncovered),
             stacklevel=2,
         )
+    name_dropouts(model, strict)  # keyed dropout: each DetDropout's site is its qualified name
     setattr(model, UNVERIFIED_ATTR, uncovered)
     return model

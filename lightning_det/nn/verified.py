@@ -77,6 +77,12 @@ VERIFIED_MODULES: dict[str, dict] = {
                            "verified_on": ["cpu"]},
     "TransformerDecoderLayer": {"replacement": "DetTransformerDecoderLayer",
                                 "invariances": ["run-to-run", "batch (sequences)"], "verified_on": ["cpu"]},
+    "Dropout": {
+        "replacement": "DetDropout",
+        "also_matches": ["subclasses that keep forward"],
+        "invariances": ["run-to-run", "batch (row count)", "world size (det_ddp)", "accumulation"],
+        "verified_on": ["cpu"],
+    },
     "transformers.pytorch_utils.Conv1D": {
         "replacement": "DetConv1D",
         "invariances": _COMMON + ["accumulation (digit mode)"],
@@ -86,7 +92,8 @@ VERIFIED_MODULES: dict[str, dict] = {
 
 #: PyTorch functions that ``det_function_mode`` (applied by det_ddp around training and
 #: validation steps) sends to a det version. Same keys as above; tests: tests/test_attention.py,
-#: tests/test_det_cross_entropy.py. "device" is listed once the CUDA test has passed on a GPU.
+#: tests/test_det_cross_entropy.py, tests/test_keyed_dropout.py. "device" is listed once the CUDA
+#: test has passed on a GPU.
 VERIFIED_FUNCTIONS: dict[str, dict] = {
     "torch.nn.functional.scaled_dot_product_attention": {
         "replacement": "det_scaled_dot_product_attention",
@@ -102,6 +109,11 @@ VERIFIED_FUNCTIONS: dict[str, dict] = {
     "torch.nn.functional.softmax": {
         "replacement": "det_softmax (also torch.softmax, Tensor.softmax, with a dim)",
         "invariances": ["run-to-run", "batch (row count and offset)"],
+        "verified_on": ["cpu"],
+    },
+    "torch.nn.functional.dropout": {
+        "replacement": "keyed dropout (lightning_det.nn.dropout; also attention's dropout_p > 0)",
+        "invariances": ["run-to-run", "batch (row count)", "world size (det_ddp)", "accumulation"],
         "verified_on": ["cpu"],
     },
     "torch.nn.functional.cross_entropy": {

@@ -122,6 +122,12 @@ def _register_optim(lib: str) -> None:
         return None
 
 
+def _register_dropout(lib: str) -> None:
+    @torch.library.register_fake(lib + "dropout_mask")
+    def _(x, batch_dim, threshold, seed, step, offset, site):
+        return torch.empty(x.shape, dtype=torch.bool, device=x.device)
+
+
 def _register_digest(lib: str) -> None:
     from .digest import CHUNK_BYTES
 
@@ -152,6 +158,7 @@ def register() -> None:
     _register_norm(lib)
     _register_optim(lib)
     _register_digest(lib)
+    _register_dropout(lib)
     _check_layout()
 
 

@@ -14,6 +14,9 @@ How it differs from Lightning's DDPStrategy:
   slice of every global batch;
 - ``F.scaled_dot_product_attention`` and ``F.cross_entropy`` in the model run through the exact,
   device-invariant det versions (``det_function_mode`` around training and validation steps);
+- dropout (``DetDropout``, ``F.dropout``, attention ``dropout_p``) draws masks keyed by
+  (``dropout_seed``, step, global sample, call site), from the micro-batch's ``BatchPosition``
+  set in every training step: the same mask for a sample at every world size and split;
 - value checks of a training step's inputs (cross-entropy targets) are resolved after its
   backward is queued and before its gradients are reduced and applied, not with a host
   synchronization in the forward (``lightning_det.ops.deferred_checks``);
@@ -76,6 +79,8 @@ class DeterministicStrategy(DDPStrategy):
         strict: raise on modules/ops outside the verified set (default); False trains anyway
             and labels the run unverified (``self.det_verified = False``).
         seed: seed of the global sample order (DeterministicSampler), default 0.
+        dropout_seed: seed of the keyed dropout masks (:mod:`lightning_det.nn.dropout`); None
+            (default) takes ``seed`` (mod 2^63). A separate value changes the masks and keeps the data order.
         audit: audit the ops of the first optimizer step (default True).
         eager_rounding: at world size 1, let each parameter whose gradient provably has one
             contribution in the step's last backward (no earlier micro-batch, one counted use)
@@ -103,7 +108,8 @@ class DeterministicStrategy(DDPStrategy):
 
     def __init__(
         self, *args: Any, strict: bool = True, seed: int = 0, audit: bool = True, eager_rounding: bool = True,
-        gemm_plans: str = "auto", batch_norm_group_size: Optional[int] = None, **kwargs: Any,
+        gemm_plans: str = "auto", batch_norm_group_size: Optional[int] = None,
+        dropout_seed: Optional[int] = None, **kwargs: Any,
     ) -> None:
         if gemm_plans not in _GEMM_PLANS:
             raise ValueError(f"gemm_plans: expected one of {sorted(_GEMM_PLANS)}, got {gemm_plans!r}")
@@ -129,7 +135,16 @@ class DeterministicStrategy(DDPStrategy):
         self.step_state = StepState()
         self.step_state.reduce_digits = self._reduce_digits
         self.step_state.batch_norm_group_size = bn_group
+        self.step_state.dropout_seed = self._dropout_seed(dropout_seed)
         self._micro_batch_size: Optional[int] = None  # per rank, set with the training sampler
+
+    def _dropout_seed(self, dropout_seed: Optional[int]) -> int:
+        if dropout_seed is None:
+            dropout_seed = self.seed % 2**63  # a negative sampler seed maps into the key's range
+        value = as_index(dropout_seed)
+        if value is None or not 0 <= value < 2**63:
+            raise ValueError(f"dropout_seed: expected an integer in [0, 2^63) or None, got {dropout_seed!r}")
+        return value
 
     # ---- set-up --------------------------------------------------------------------------
     @property
