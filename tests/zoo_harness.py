@@ -108,7 +108,7 @@ def fit(args, name: str) -> None:
     if args.strategy == "det_ddp":
         from lightning_det.strategy import DeterministicStrategy
 
-        kwargs = {} if args.bn_group is None else {"batch_norm_group": args.bn_group}
+        kwargs = {} if args.bn_group is None else {"batch_norm_group_size": args.bn_group}
         strategy = DeterministicStrategy(strict=True, **kwargs)
     else:
         strategy = "ddp" if args.devices > 1 else "auto"
@@ -128,7 +128,7 @@ def main():
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--strategy", default="det_ddp", choices=["det_ddp", "ddp"])
-    p.add_argument("--bn-group", type=int, default=None, help="DeterministicStrategy(batch_norm_group=...)")
+    p.add_argument("--bn-group", type=int, default=None, help="DeterministicStrategy(batch_norm_group_size=...)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)

@@ -15,7 +15,7 @@ becomes a DetLinear). Its forward has ``nn.MultiheadAttention.forward``'s signat
   digit mode, as DetLinear's);
 - the attention is :func:`~lightning_det.nn.det_scaled_dot_product_attention` on the (N, H, L, E/H)
   heads with PyTorch's merged mask (key padding and attn_mask as one float mask, or the causal
-  mask), and ``dropout_p = self.dropout`` in training (passed through unchanged);
+  mask), and ``dropout_p = self.dropout`` in training with a keyed mask (:mod:`.dropout`);
 - the weights, when asked for, are the same probabilities: ``det_softmax(det_matmul(q, k^T) *
   scale + mask)`` (:mod:`lightning_det.nn.matmul`), whose bytes are the attention's own; the
   average over heads is an exact sum divided by the head count;
@@ -45,6 +45,7 @@ from ..ops.trust import trusted_fn
 from .attention import det_scaled_dot_product_attention
 from .conv1d import _float_dtype
 from .conv1d import _param_grad as _contribute
+from .dropout import FUNCTIONAL_SITE, dropout_key
 from .functional import det_col_sums, det_gelu, det_row_sums
 from .linear import DetLinear
 from .matmul import det_matmul, det_softmax
@@ -227,8 +228,10 @@ class DetMultiheadAttention(nn.MultiheadAttention):
                 mask = F.pad(mask, (0, 1))
             src += 1
         dropout_p = self.dropout if self.training else 0.0
+        # attention dropout: a keyed mask over (sample, head, query, key), like F.dropout's call sites
+        dkey = None if dropout_p == 0 else dropout_key(state, FUNCTIONAL_SITE, True, "nn.MultiheadAttention(dropout > 0)")
         out = det_scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
-                                               plans=plans)
+                                               plans=plans, dropout_key=dkey)
         out = self.out_proj(out.transpose(1, 2).reshape(n, tgt, e))
         if not batched:
             out = out.squeeze(0)
