@@ -47,12 +47,13 @@ class SdpaBlock(nn.Module):
 
 
 class TinyResNet(nn.Module):
-    """A ResNet-like net on (B, 3, 6, 5) images: Conv2d, BatchNorm2d, ReLU(inplace=True), a residual
-    ``+=``, a strided conv, global average pooling, Linear."""
+    """A ResNet-like net on (B, 3, 6, 5) images: Conv2d, BatchNorm2d, ReLU(inplace=True), a 3 x 3
+    stride-2 max pool, a residual ``+=``, a strided conv, global average pooling, Linear."""
 
     def __init__(self, classes: int):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True))
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                                  nn.MaxPool2d(3, 2, 1))
         self.conv_a, self.bn_a = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
         self.conv_b, self.bn_b = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
         self.relu = nn.ReLU(inplace=True)

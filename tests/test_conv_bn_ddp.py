@@ -1,8 +1,9 @@
-"""A tiny ResNet (Conv2d, BatchNorm2d, ReLU(inplace=True), residual +=, strided conv, global
-average pooling) under strict det_ddp on CPU/gloo: world size 1 == 2 for every weight, the running
-statistics and the losses; with ghost BatchNorm groups also accumulation 2 at world size 2 ==
-world size 1; the plain-DDP control (per-rank BatchNorm statistics, float all-reduce) differs.
-Each run is a subprocess of tests/ddp_harness.py (model "resnet", 3 steps, global batch 24)."""
+"""A tiny ResNet (Conv2d, BatchNorm2d, ReLU(inplace=True), 3 x 3 stride-2 max pool, residual +=,
+strided conv, global average pooling) under strict det_ddp on CPU/gloo: world size 1 == 2 for
+every weight, the running statistics and the losses; with ghost BatchNorm groups also
+accumulation 2 at world size 2 == world size 1; the plain-DDP control (per-rank BatchNorm
+statistics, float all-reduce) differs. Each run is a subprocess of tests/ddp_harness.py (model
+"resnet", 3 steps, global batch 24)."""
 import pytest
 from test_det_ddp import run_rows
 
