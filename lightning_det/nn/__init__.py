@@ -3,6 +3,7 @@ and the step state that carries a training step's gradient digits between the la
 from .activation import DetGELU, DetReLU, DetSiLU, DetTanh
 from .attention import DetMultiheadSelfAttention, det_scaled_dot_product_attention
 from .conv1d import DetConv1D
+from .dropout import DetDropout
 from .embedding import DetEmbedding
 from .functional import det_col_sums, det_exp, det_gelu, det_relu, det_row_sums, det_silu, det_tanh
 from .function_mode import det_function_mode
@@ -24,6 +25,7 @@ __all__ = [
     "DetSiLU",
     "DetTanh",
     "DetReLU",
+    "DetDropout",
     "DetMultiheadSelfAttention",
     "det_scaled_dot_product_attention",
     "det_function_mode",
