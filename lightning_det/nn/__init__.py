@@ -8,6 +8,7 @@ from .pool import DetAdaptiveAvgPool2d, DetMaxPool2d
 from .attention import DetMultiheadSelfAttention, det_scaled_dot_product_attention
 from .broadcast_grads import BroadcastGradError
 from .conv1d import DetConv1D
+from .dropout import DetDropout
 from .embedding import DetEmbedding
 from .functional import det_col_sums, det_exp, det_gelu, det_relu, det_row_sums, det_silu, det_tanh
 from .function_mode import det_function_mode
@@ -40,6 +41,7 @@ __all__ = [
     "DetGroupNorm",
     "DetAdaptiveAvgPool2d",
     "DetMaxPool2d",
+    "DetDropout",
     "DetMultiheadSelfAttention",
     "DetMultiheadAttention",
     "DetTransformerEncoderLayer",
