@@ -8,14 +8,13 @@ not), and det_ddp at world size 1, 2 and with accumulation 2 gives the same para
 and optimizer states.
 """
 import itertools
-import os
 import sys
 from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_bitwise, clean_env
+from conftest import assert_bitwise, clean_env, cuda
 from torch import nn
 
 import gen
@@ -87,9 +86,9 @@ def _data(seed=0):
     return tokens, w
 
 
-def _det_grads(net, splits, eager=False):
+def _det_grads(net, splits, eager=False, device="cpu"):
     """Gradients after one step of micro-batches ``splits`` (row ranges), through the StepState."""
-    tokens, w = _data()
+    tokens, w = (t.to(device) for t in _data())
     state = StepState()
     set_grad_digits(net, state)
     for p in net.parameters():
@@ -133,6 +132,16 @@ def test_micro_batches_give_the_same_bytes_and_plain_autograd_does_not():
     split = _plain_grads(plain_net, HALVES)
     differ = [n for n in BROADCAST_PARAMS if not torch.equal(split[n], ref[n])]
     assert differ, "plain autograd gave split-invariant gradients here: the test has no teeth"
+
+
+@cuda
+def test_micro_batches_give_the_same_bytes_on_cuda():
+    net = _net().cuda()
+    whole = _det_grads(net, WHOLE, device="cuda")
+    for splits in (HALVES, ONES):
+        got = _det_grads(net, splits, device="cuda")
+        for n in whole:
+            assert_bitwise(got[n], whole[n], f"cuda: {n} with micro-batches {splits}")
 
 
 def test_eager_rounding_gives_the_digit_paths_bytes():

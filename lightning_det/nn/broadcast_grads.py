@@ -44,7 +44,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..ops import LongAcc, det_col_sums, det_finalize, det_normalize, to_digits
+from ..ops import LongAcc, det_col_sums, det_finalize, to_digits
 from ..ops.trust import trusted_fn
 from ..profile import WORDS
 from .step_state import StepState
