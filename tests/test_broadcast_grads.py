@@ -255,6 +255,20 @@ def test_strict_names_the_function_shapes_and_grad_fn_chain():
     assert ("aten.sum", "backward of AddBackward0", 1) in audit.violations(), audit.violations()
 
 
+def test_broadcasts_that_do_not_cross_the_batch_are_left_to_pytorch():
+    x = torch.randn(3, 4, 8, requires_grad=True)
+    with det_function_mode(state=StepState()):
+        h = x * 3  # an activation: (3, 4, 8), requires grad, not a Parameter
+        a = h - h.amax(-1, keepdim=True)  # a row statistic, broadcast along the last dim
+        b = h.repeat(2, 1, 1)  # copies of each sample
+        c = h[:1].expand(1, 4, 8)  # batch dimension 1 stays 1
+    assert a.grad_fn.name() == "SubBackward0" and b.grad_fn.name() == "RepeatBackward0"
+    assert c.grad_fn.name() == "ExpandBackward0"
+    with pytest.raises(BroadcastGradError, match=r"Tensor.expand broadcasts a tensor of shape \(1, 4, 8\)"):
+        with det_function_mode(state=StepState()):
+            h[:1].expand(3, 4, 8)
+
+
 def test_float64_cannot_be_routed_and_says_so():
     p = nn.Parameter(torch.ones(4, dtype=torch.float64))
     with pytest.raises(BroadcastGradError, match="float64 has no exact digit reduction"):
