@@ -8,14 +8,13 @@ not), and det_ddp at world size 1, 2 and with accumulation 2 gives the same para
 and optimizer states.
 """
 import itertools
-import os
 import sys
 from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_bitwise, clean_env
+from conftest import assert_bitwise, clean_env, cuda
 from torch import nn
 
 import gen
@@ -87,9 +86,9 @@ def _data(seed=0):
     return tokens, w
 
 
-def _det_grads(net, splits, eager=False):
+def _det_grads(net, splits, eager=False, device="cpu"):
     """Gradients after one step of micro-batches ``splits`` (row ranges), through the StepState."""
-    tokens, w = _data()
+    tokens, w = (t.to(device) for t in _data())
     state = StepState()
     set_grad_digits(net, state)
     for p in net.parameters():
@@ -133,6 +132,16 @@ def test_micro_batches_give_the_same_bytes_and_plain_autograd_does_not():
     split = _plain_grads(plain_net, HALVES)
     differ = [n for n in BROADCAST_PARAMS if not torch.equal(split[n], ref[n])]
     assert differ, "plain autograd gave split-invariant gradients here: the test has no teeth"
+
+
+@cuda
+def test_micro_batches_give_the_same_bytes_on_cuda():
+    net = _net().cuda()
+    whole = _det_grads(net, WHOLE, device="cuda")
+    for splits in (HALVES, ONES):
+        got = _det_grads(net, splits, device="cuda")
+        for n in whole:
+            assert_bitwise(got[n], whole[n], f"cuda: {n} with micro-batches {splits}")
 
 
 def test_eager_rounding_gives_the_digit_paths_bytes():
@@ -244,6 +253,20 @@ def test_strict_names_the_function_shapes_and_grad_fn_chain():
         y.sum().backward()
     assert torch.equal(y, x + 2)
     assert ("aten.sum", "backward of AddBackward0", 1) in audit.violations(), audit.violations()
+
+
+def test_broadcasts_that_do_not_cross_the_batch_are_left_to_pytorch():
+    x = torch.randn(3, 4, 8, requires_grad=True)
+    with det_function_mode(state=StepState()):
+        h = x * 3  # an activation: (3, 4, 8), requires grad, not a Parameter
+        a = h - h.amax(-1, keepdim=True)  # a row statistic, broadcast along the last dim
+        b = h.repeat(2, 1, 1)  # copies of each sample
+        c = h[:1].expand(1, 4, 8)  # batch dimension 1 stays 1
+    assert a.grad_fn.name() == "SubBackward0" and b.grad_fn.name() == "RepeatBackward0"
+    assert c.grad_fn.name() == "ExpandBackward0"
+    with pytest.raises(BroadcastGradError, match=r"Tensor.expand broadcasts a tensor of shape \(1, 4, 8\)"):
+        with det_function_mode(state=StepState()):
+            h[:1].expand(3, 4, 8)
 
 
 def test_float64_cannot_be_routed_and_says_so():

@@ -44,7 +44,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..ops import LongAcc, det_col_sums, det_finalize, det_normalize, to_digits
+from ..ops import LongAcc, det_col_sums, det_finalize, to_digits
 from ..ops.trust import trusted_fn
 from ..profile import WORDS
 from .step_state import StepState
@@ -293,20 +293,21 @@ def _route(func, t, shape, dtype, reps, state, strict, tensors) -> Optional[torc
         if sink is None and expanded and reps is None:
             sink = _det_op_sink(t, state, torch.Size(shape))
     if sink is None:
-        if strict and _crosses_dim0(t.shape, shape, reps):
+        if strict and _crosses_dim0(t.shape, shape):
             raise BroadcastGradError(_message(func, t, shape, tensors, dtype))
         return None
     state.note_forward_use(sink.param)
     return _ExactBroadcast.apply(t.detach(), sink.param, torch.Size(shape), dtype, reps, sink, state)
 
 
-def _crosses_dim0(tshape, shape, reps) -> bool:
-    """Whether the broadcast (or tiling) spreads ``tshape`` along dimension 0 of ``shape``."""
+def _crosses_dim0(tshape, shape) -> bool:
+    """Whether the broadcast (or tiling) spreads one element of ``tshape`` over several positions
+    of dimension 0 of the result ``shape`` (the batch). A tensor whose own dimension 0 is larger
+    than 1 and is tiled along it (``h.repeat(2, 1)``) only adds up copies of the same sample."""
     if len(shape) == 0:
         return False
-    if reps is not None:
-        return len(reps) > len(tshape) or reps[0] > 1
-    return len(tshape) < len(shape) or (tshape[0] == 1 and shape[0] != 1)
+    first = tshape[0] if len(tshape) == len(shape) else 1
+    return first == 1 and shape[0] > 1
 
 
 def _chain(t: torch.Tensor, depth: int = 6) -> str:

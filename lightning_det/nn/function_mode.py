@@ -126,7 +126,8 @@ def det_function_mode(strict: bool = True, loss_reduce: Optional[Callable] = Non
     Args:
         strict: a tensor that requires grad, is broadcast across the batch (dimension 0) and has no
             exact gradient route raises :class:`~lightning_det.nn.broadcast_grads.BroadcastGradError`
-            (False: PyTorch's float sum, reported by the op audit); cross_entropy options the det version lacks (``weight``, ``label_smoothing``,
+            (False: PyTorch's float sum, reported by the op audit); cross_entropy options the det
+            version lacks (``weight``, ``label_smoothing``,
             class-probability targets, (N, C, d1, ...) inputs, float64) raise a ValueError naming
             the argument; with False they warn and run PyTorch's own function (det_ddp's op audit of
             the first step then labels the run unverified). Training-mode dropout without a
