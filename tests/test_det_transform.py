@@ -116,7 +116,12 @@ def test_checkpoints_load_both_ways():
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("bad, cls", [(nn.Conv3d(3, 3, 1), "Conv3d"), (WithParam(), "WithParam")])
+class OwnForwardLayerNorm(nn.LayerNorm):
+    def forward(self, x):  # a covered class whose forward computes something else
+        return super().forward(x) * 2
+
+
+@pytest.mark.parametrize("bad, cls", [(nn.Conv3d(3, 3, 1), "Conv3d"), (OwnForwardLayerNorm(4), "OwnForwardLayerNorm")])
 def test_strict_raises_naming_fqn_and_class(bad, cls):
     m = _model()
     m.blocks[1].extra = bad
@@ -125,13 +130,25 @@ def test_strict_raises_naming_fqn_and_class(bad, cls):
     assert isinstance(ei.value, ValueError)
 
 
+def test_loose_parameters_are_listed_not_rejected():
+    # a user module holding a parameter directly: kept, listed, and checked where it is used
+    # (tests/test_broadcast_grads.py: exact under det_ddp through broadcasting functions; an
+    # unverified use is refused at run time)
+    m = _model()
+    m.blocks[1].extra = WithParam()
+    det_transform(m)
+    assert m.ldet_unverified == []
+    assert m.ldet_loose_params == [f"blocks.1.extra.{n}" for n, _ in WithParam().named_parameters()]
+
+
 def test_non_strict_warns_and_records():
     m = _model()
     m.blocks[0].conv = nn.Conv3d(3, 3, 1)
-    m.scale = nn.Parameter(torch.ones(1))  # the root itself holds a parameter
+    m.scale = nn.Parameter(torch.ones(1))  # the root itself holds a parameter: loose, checked at run time
     with pytest.warns(UserWarning, match="unverified"):
         det_transform(m, strict=False)
-    assert m.ldet_unverified == ["<root> (Model)", "blocks.0.conv (Conv3d)"]
+    assert m.ldet_unverified == ["blocks.0.conv (Conv3d)"]
+    assert m.ldet_loose_params == ["scale"]
     assert type(m.head) is DetLinear  # the covered modules were still swapped
 
 

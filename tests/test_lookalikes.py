@@ -189,7 +189,7 @@ def test_register_det_module(monkeypatch):
         def __init__(self):
             super().__init__()
             self.lin = nn.Linear(3, 3)
-            self.gain = nn.Parameter(torch.ones(3))
+            self.weight = nn.Parameter(torch.ones(3))  # a layer of its own: reported until registered
 
     def factory(m):
         new = nn.Sequential(DetLinear(3, 3))

@@ -21,9 +21,19 @@ Which modules are swapped, first rule that applies:
    (:mod:`lightning_det.nn.lookalikes`): HF ``Conv1D``, Llama/Qwen2/T5-style RMSNorms, HF
    ``SiLUActivation``, ``NewGELUActivation``, ``GELUActivation``, ``GELUTanh``.
 
-Everything else is reported (strict: raised) when it holds parameters directly, or when it is
-an activation or dropout module (from ``torch.nn`` or ``transformers.activations``) with no Det
-version. Each DetDropout is keyed by its qualified name in ``model`` (its ``site``), and those
+Everything else is reported (strict: raised) when it holds parameters and is a layer: a
+``torch.nn`` layer without a Det version (Conv3d, Bilinear, ...), a subclass of a covered class
+that could not be swapped (its own ``forward``), or any module holding a ``weight`` or ``bias``
+(a norm or projection with its own arithmetic, e.g. Gemma's RMSNorm); or when it is an
+activation or dropout module (from ``torch.nn`` or ``transformers.activations``) with no Det
+version. Any other module that holds parameters directly (a ViT's ``cls_token`` and position
+embedding, a layer scale) keeps them: they are listed in ``model.ldet_loose_params`` and checked
+where they are used. Under det_ddp a loose parameter used by a broadcasting function (``+ - * /``,
+``expand``, ``where``, ...) gets an exact gradient (:mod:`lightning_det.nn.broadcast_grads`); any
+other use is caught at run time: the op audit names the op, and strict det_ddp refuses a
+parameter whose gradient was rounded outside the exact paths.
+
+Each DetDropout is keyed by its qualified name in ``model`` (its ``site``), and those
 inside ``batch_first=False`` transformer layers take their batch from dimension 1
 (:mod:`lightning_det.nn.dropout`).
 """
@@ -54,6 +64,7 @@ __all__ = [
 ]
 
 UNVERIFIED_ATTR = "ldet_unverified"
+LOOSE_ATTR = "ldet_loose_params"
 
 # PyTorch class -> Det class (rules 2 and 3 above)
 _SWAPS: dict[type, type] = {
@@ -162,6 +173,17 @@ def _is_activation(module: nn.Module) -> bool:
     return type(module).__module__ in _ACTIVATION_MODULES and next(module.parameters(), None) is None
 
 
+# A module holding these is a layer applying them with its own arithmetic (a norm, a projection):
+# reported. Other directly held parameters (cls_token, pos_embed, a layer scale) are loose.
+_LAYER_PARAMS = {"weight", "bias"}
+
+
+def _is_torch_layer(module: nn.Module) -> bool:
+    """A torch.nn layer class (Conv3d, Bilinear, ...): its parameters meet its own kernels."""
+    return any(c.__module__.startswith("torch.nn.") for c in type(module).__mro__[:-1]
+               if c is not nn.Module)
+
+
 def _replace(model: nn.Module, fqn: str, new: nn.Module) -> None:
     parent_name, _, name = fqn.rpartition(".")
     setattr(model.get_submodule(parent_name), name, new)
@@ -185,11 +207,13 @@ def det_transform(
             choice and is not reported.
 
     Sets ``model.ldet_unverified``: a list of ``"fqn (Class)"`` strings, empty when every
-    parameter and activation lives in a verified module, so a strategy can label the run.
+    parameter and activation lives in a verified module, so a strategy can label the run; and
+    ``model.ldet_loose_params``: the qualified names of the parameters held directly by modules
+    without a Det version, checked at run time (see the module docstring).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
-    uncovered = []
+    uncovered, loose = [], []
     for fqn, module in list(model.named_modules()):
         if filter_fn is not None and not filter_fn(module, fqn):
             continue
@@ -207,8 +231,12 @@ def det_transform(
                                      "make its factory change it in place")
                 _replace(model, fqn, new)
             continue
-        if next(module.parameters(recurse=False), None) is not None or _is_activation(module):
+        own = [n for n, _ in module.named_parameters(recurse=False)]
+        layer = _is_torch_layer(module) or isinstance(module, tuple(_SWAPS)) or bool(_LAYER_PARAMS & set(own))
+        if _is_activation(module) or (own and layer):
             uncovered.append(_describe(fqn, module))
+        elif own:
+            loose += [f"{fqn}.{n}" if fqn else n for n in own]
     if uncovered and strict:
         raise UnsupportedModuleError(
             f"det_transform: {len(uncovered)} module(s) outside the verified set: "
@@ -225,4 +253,5 @@ def det_transform(
         )
     name_dropouts(model, strict)  # keyed dropout: each DetDropout's site is its qualified name
     setattr(model, UNVERIFIED_ATTR, uncovered)
+    setattr(model, LOOSE_ATTR, loose)
     return model
