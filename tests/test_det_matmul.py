@@ -87,7 +87,10 @@ def test_function_mode_routes_activation_products_and_leaves_parameters():
         with det_function_mode():
             outs = [torch.matmul(a, b), a @ b, a.matmul(b), torch.bmm(a[0], b[0]), a[0, 0].mm(b[0, 0]),
                     F.softmax(a, dim=-1), torch.softmax(a, 1), a.softmax(-1, dtype=torch.float32)]
-            param_product = a @ w  # a Parameter: left to PyTorch, the audit names it
+            param_product = a @ w  # a Parameter (or a view of one): left to PyTorch, the audit names it
+    with OpAudit() as view_audit, det_function_mode():
+        a[0, 0] @ w.t().t()
+    assert "aten.mm" in {op for op, _, _ in view_audit.violations()}
     want = det_matmul(a, b)
     for i, o in enumerate(outs[:3]):
         assert_bitwise(o, want, f"call {i}")
