@@ -185,6 +185,9 @@ def test_mha_options_outside_the_set_are_named():
     det = det_transform(nn.MultiheadAttention(E, H))
     with pytest.raises(ValueError, match="query: expected last dimension embed_dim=12"):
         det(torch.randn(2, 3, 5), torch.randn(2, 3, 5), torch.randn(2, 3, 5))
+    nested = torch.nested.nested_tensor([torch.randn(2, E), torch.randn(3, E)])
+    with pytest.raises(ValueError, match="query: nested tensors are not supported"):
+        det(nested, nested, nested)
     with pytest.raises(RuntimeError, match="attn_mask: need attn_mask"):
         det(torch.randn(3, 2, E), torch.randn(3, 2, E), torch.randn(3, 2, E), is_causal=True)
 
