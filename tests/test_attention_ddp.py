@@ -23,8 +23,9 @@ def _det(model, devices):
 def test_attention_models_are_world_size_invariant(model):
     one, two = _det(model, 1), _det(model, 2)
     assert one == two, f"{model}: det_ddp world size 1 vs 2 differ"
-    control = run(2, strategy="ddp", transform=False, model=model, steps=STEPS)
-    assert [w for w, _ in control] != [w for w, _ in one], f"{model}: plain DDP matched det_ddp (no teeth)"
+    if model != "llama-eager":  # one plain-DDP control per model family
+        control = run(2, strategy="ddp", transform=False, model=model, steps=STEPS)
+        assert [w for w, _ in control] != [w for w, _ in one], f"{model}: plain DDP matched det_ddp (no teeth)"
 
 
 @pytest.mark.slow

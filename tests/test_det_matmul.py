@@ -87,7 +87,10 @@ def test_function_mode_routes_activation_products_and_leaves_parameters():
         with det_function_mode():
             outs = [torch.matmul(a, b), a @ b, a.matmul(b), torch.bmm(a[0], b[0]), a[0, 0].mm(b[0, 0]),
                     F.softmax(a, dim=-1), torch.softmax(a, 1), a.softmax(-1, dtype=torch.float32)]
-            param_product = a @ w  # a Parameter: left to PyTorch, the audit names it
+            param_product = a @ w  # a Parameter (or a view of one): left to PyTorch, the audit names it
+    with OpAudit() as view_audit, det_function_mode():
+        a[0, 0] @ w.t().t()
+    assert "aten.mm" in {op for op, _, _ in view_audit.violations()}
     want = det_matmul(a, b)
     for i, o in enumerate(outs[:3]):
         assert_bitwise(o, want, f"call {i}")
@@ -171,3 +174,39 @@ def test_hf_attention_runs_only_verified_ops_and_is_batch_invariant(family, impl
     plain = _hf(family, impl, kv)
     with torch.no_grad():
         torch.testing.assert_close(full, plain(input_ids=x).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_fully_masked_query_rows_give_zero_like_pytorch_sdpa():
+    # HF's left padding masks every key of a padded query: PyTorch's SDPA returns 0 there (safe
+    # softmax), so does det attention, and no NaN reaches any gradient
+    q, k, v = (torch.randn(2, 3, 5, 8, generator=_g(s)) for s in (20, 21, 22))
+    mask = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
+    mask[1, :, :2] = False  # sequence 1: query rows 0 and 1 see nothing
+    qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    out = det_scaled_dot_product_attention(qa, ka, va, attn_mask=mask)
+    ref = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask)
+    assert torch.equal(out[1, :, :2], torch.zeros_like(out[1, :, :2]))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    out.sum().backward()
+    ref.sum().backward()
+    for a, b in ((qa, qr), (ka, kr), (va, vr)):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+    assert_bitwise(det_scaled_dot_product_attention(q[:1], k[:1], v[:1], attn_mask=mask[:1]), out.detach()[:1], "row")
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_hf_llama_with_left_padding_is_hfs_loss(impl):
+    from lightning_det.nn import det_transform
+
+    plain, det = _hf("llama", impl), det_transform(_hf("llama", impl))
+    x = torch.randint(0, 50, (3, 6), generator=_g(23))
+    am = torch.ones(3, 6, dtype=torch.long)
+    am[1, :2] = 0
+    labels = x.masked_fill(am == 0, -100)
+    with det_function_mode():
+        out = det(input_ids=x, attention_mask=am, labels=labels)
+    out.loss.backward()
+    want = plain(input_ids=x, attention_mask=am, labels=labels).loss
+    torch.testing.assert_close(out.loss, want, rtol=1e-5, atol=1e-6)
+    assert all(torch.isfinite(p.grad).all() for p in det.parameters() if p.grad is not None)

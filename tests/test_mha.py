@@ -122,7 +122,7 @@ def test_mha_is_pytorch_within_rounding(opt, batch_first):
 def test_mha_sequences_do_not_depend_on_the_batch(batch_first):
     _, det = _pair(seed=4, batch_first=batch_first)
     q, k, v = _inputs(True, seed=20)
-    kpm, fm, _ = _masks()
+    kpm, _, bm = _masks()
     bdim = 0 if batch_first else 1
 
     def run(rows):
@@ -131,7 +131,7 @@ def test_mha_sequences_do_not_depend_on_the_batch(batch_first):
             qs2, ks2, vs2 = (t.transpose(0, 1) for t in (qs, ks, vs))
         else:
             qs2, ks2, vs2 = qs, ks, vs
-        out, w = det(qs2, ks2, vs2, key_padding_mask=kpm[rows], attn_mask=fm, average_attn_weights=False)
+        out, w = det(qs2, ks2, vs2, key_padding_mask=kpm[rows], attn_mask=bm, average_attn_weights=False)
         (out.square().sum() + w.sum()).backward()
         return out.detach().movedim(bdim, 0), w.detach(), qs.grad, ks.grad, vs.grad
 
@@ -185,6 +185,9 @@ def test_mha_options_outside_the_set_are_named():
     det = det_transform(nn.MultiheadAttention(E, H))
     with pytest.raises(ValueError, match="query: expected last dimension embed_dim=12"):
         det(torch.randn(2, 3, 5), torch.randn(2, 3, 5), torch.randn(2, 3, 5))
+    nested = torch.nested.nested_tensor([torch.randn(2, E), torch.randn(3, E)])
+    with pytest.raises(ValueError, match="query: nested tensors are not supported"):
+        det(nested, nested, nested)
     with pytest.raises(RuntimeError, match="attn_mask: need attn_mask"):
         det(torch.randn(3, 2, E), torch.randn(3, 2, E), torch.randn(3, 2, E), is_causal=True)
 
@@ -196,6 +199,7 @@ def _encoder(norm_first, seed=7):
     return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_transformer_encoder_is_pytorch_within_rounding_and_batch_invariant(norm_first):
     ref = _encoder(norm_first)

@@ -7,7 +7,7 @@ scale=None)`` has the semantics of ``F.scaled_dot_product_attention`` (dropout w
 
     S   = round(exact Q K^T) * scale            (det_gemm, then one correctly rounded multiply)
     S   = S + attn_mask | S masked to -inf       (bool mask False / causal: key j > query r)
-    m   = max_j S[r, j]                          (exact)
+    m   = max_j S[r, j]                          (exact; 0 for a row masked entirely, whose P is 0)
     e   = det_exp(S - m)                         (fp64 detmath exp, rounded once)
     P   = e / round(exact sum_j e[r, j])         (exact row sum, one rounding, IEEE division)
     O   = round_to_out_dtype(exact P V)          (det_gemm straight to q's dtype: one rounding)
@@ -78,9 +78,12 @@ class _DetSDPA(torch.autograd.Function):
         s = _slices_gemm(qf, kf, torch.float32, plans) * scale_t
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
+        # a fully masked query row (HF's left padding) gets p = 0, so output 0 and no gradient: the
+        # bytes of PyTorch's SDPA, whose math path uses a safe softmax
         m = s.amax(dim=-1, keepdim=True)
-        e = det_exp(s - m)
-        p = e / _row_sum(e)
+        e = det_exp(s - m.masked_fill(m == float("-inf"), 0.0))
+        total = _row_sum(e)
+        p = e / total.masked_fill(total == 0, 1.0)
         keep = None
         if dropout is not None:
             keep = _dropout_keep(p, dropout)

@@ -2,7 +2,8 @@
 attention, hand-written attention) to exact versions.
 
 - ``torch.matmul`` / ``@`` / ``torch.bmm`` / ``torch.mm`` of two float activations (at least 2-D,
-  neither a leaf tensor that requires grad, i.e. not a Parameter) -> :func:`det_matmul`. A product
+  neither a leaf tensor that requires grad nor a view of one, i.e. not a Parameter or its
+  transpose) -> :func:`det_matmul`. A product
   with a Parameter is left to PyTorch: its gradient would cross the batch outside the exact
   modules, and the op audit names it in its module.
 - ``F.softmax`` / ``torch.softmax`` / ``Tensor.softmax`` with an explicit ``dim`` -> :func:`det_softmax`.
@@ -32,8 +33,10 @@ SOFTMAX_FUNCS = frozenset({torch.nn.functional.softmax, torch.softmax, torch.Ten
 
 
 def _activation(t) -> bool:
-    return (isinstance(t, torch.Tensor) and t.dtype in _FLOATS and t.dim() >= 2
-            and not (t.is_leaf and t.requires_grad))
+    if not (isinstance(t, torch.Tensor) and t.dtype in _FLOATS and t.dim() >= 2):
+        return False
+    base = t._base if t._is_view() else t  # a view of a Parameter (weight.t()) is the Parameter
+    return not (base.is_leaf and base.requires_grad)
 
 
 def matmul_route(func, args, kwargs, plans):

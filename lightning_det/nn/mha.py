@@ -164,6 +164,9 @@ class DetMultiheadAttention(nn.MultiheadAttention):
             if not isinstance(t, torch.Tensor) or t.dtype not in _FLOATS:
                 raise TypeError(f"{name}: expected a float32/bfloat16/float16 tensor, got "
                                 f"{getattr(t, 'dtype', type(t).__name__)}")
+            if t.is_nested:
+                raise ValueError(f"{name}: nested tensors are not supported by DetMultiheadAttention; pass a padded "
+                                 "tensor and key_padding_mask")
         batched = query.dim() == 3
         want = 3 if batched else 2
         for name, t in (("key", key), ("value", value)):
