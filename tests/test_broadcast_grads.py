@@ -317,3 +317,31 @@ def test_det_ddp_world_size_and_accumulation_invariance(tmp_path):
     # the control: Lightning's plain DDP at world sizes 1 and 2 differs
     d1, d2 = _run(tmp_path, strategy="ddp"), _run(tmp_path, devices=2, strategy="ddp")
     assert any(not torch.equal(d1["params"][n], d2["params"][n]) for n in d1["params"])
+
+
+def test_activation_expanded_along_other_dims_gets_the_exact_sum():
+    # HF's repeat_kv: (B, Hkv, 1, L, D) -> (B, Hkv, n_rep, L, D). The copies' gradients are summed
+    # exactly and rounded once (reference: the exact sum of fp32 values, rounded once by the
+    # Python-integer reference); autograd's own float sum is audited, the routed one is not.
+    from lightning_det.parallel.audit import OpAudit
+
+    g = torch.Generator().manual_seed(5)
+    kv = (torch.randn(2, 2, 1, 3, 4, generator=g) * torch.exp2(torch.randint(-20, 20, (2, 2, 1, 3, 4), generator=g))
+          ).requires_grad_()
+    up = torch.randn(2, 2, 5, 3, 4, generator=g) * torch.exp2(torch.randint(-20, 20, (2, 2, 5, 3, 4), generator=g))
+    with OpAudit(outside="test") as audit:
+        with det_function_mode(state=StepState()):
+            y = kv.expand(2, 2, 5, 3, 4)
+        (y * up).sum().backward()
+    assert not [v for v in audit.violations() if v[0] == "aten.sum" and "Expand" in v[1]], audit.violations()
+    want = torch.empty_like(kv)
+    for idx in itertools.product(*(range(s) for s in kv.shape)):
+        b, h, _, l, d = idx
+        acc = ExactSum()
+        for r in range(5):
+            acc.add_value(float(up[b, h, r, l, d]))
+        want[idx] = round_sum(acc)
+    assert_bitwise(kv.grad, want, "exact sum over the copies")
+    plain = kv.detach().clone().requires_grad_()
+    (plain.expand(2, 2, 5, 3, 4) * up).sum().backward()
+    assert not torch.equal(plain.grad, want)  # the float sum rounds on the way

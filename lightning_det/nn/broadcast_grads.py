@@ -213,6 +213,24 @@ class _ExactBroadcast(torch.autograd.Function):
         return None, None, None, None, None, None, None
 
 
+class _ExactExpand(torch.autograd.Function):
+    """A tensor expanded along dimensions other than the batch (Hugging Face's ``repeat_kv`` of
+    the key/value heads): the backward's sum over the copies is exact and rounded once to the
+    tensor's dtype, where autograd's own would be a float reduction. Per sample, so the gradient
+    stays a tensor and flows on."""
+
+    @staticmethod
+    @trusted_fn
+    def forward(ctx, value, shape):
+        ctx.vshape, ctx.dtype = tuple(value.shape), value.dtype
+        return value.expand(shape)
+
+    @staticmethod
+    @trusted_fn
+    def backward(ctx, grad):
+        return det_finalize(exact_reduce_digits(grad, ctx.vshape), ctx.dtype), None
+
+
 # ---- the dispatch ----------------------------------------------------------------------------
 def call_with_exact_broadcasts(func, args, kwargs, state: StepState, strict: bool):
     """Calls ``func(*args, **kwargs)`` (one of :data:`BROADCAST_FUNCS`) with every operand whose
@@ -256,7 +274,11 @@ def _call_expand(func, args, kwargs, state, strict):
             sizes = tuple(sizes[0])
         reps = tuple(int(s) for s in sizes)
     routed = _route(func, value, probe.shape, value.dtype, reps, state, strict, [value])
-    return func(*args, **kwargs) if routed is None else routed
+    if routed is not None:
+        return routed
+    if reps is None and value.dtype in _FLOATS and tuple(probe.shape) != tuple(value.shape):
+        return _ExactExpand.apply(value, probe.shape)  # along other dimensions than the batch
+    return func(*args, **kwargs)
 
 
 def _wants_grad(a) -> bool:
