@@ -175,21 +175,15 @@ struct CostRow {
 inline constexpr const char* kCpuFp64Source =
     "kernel, slices: cpu-gemm.json fp32 512^3; fp64: cpu-gemm_routes.json, median of 128^3-512^3";
 
-// Below 128^3 (one thread, routes interleaved per shape, 8^3 to 128^3): the fp64 route took 0.28 of
-// the kernel's time at 8^3 and 0.03-0.08 of the slices' from 64^3 (their fixed costs dominate
-// small GEMMs, such as a small model's attention slices); rounded fp32 outputs take it at every size.
-inline constexpr const char* kCpuSmallFp64Source =
-    "fp64: 8^3-128^3 against the kernel and the slices, one thread, interleaved per shape";
-
 // clang-format off
 inline constexpr CostRow kCostTable[] = {
   // CPU, 2 threads (oneDNN VNNI int8): benchmarks/gemm.py --device cpu, ratios in one run.
-  {GemmDevice::kCpu, InputClass::kFp32, 0, 1, 2, 0.28, true, kCpuSmallFp64Source},
-  {GemmDevice::kCpu, InputClass::kFp32, 15, 25.6, 3.05, 1.0, true, kCpuSmallFp64Source},
+  {GemmDevice::kCpu, InputClass::kFp32, 0, 1, 2, kNoFigure, false, "kernel below 32^3 (fixed costs of the slices)"},
+  {GemmDevice::kCpu, InputClass::kFp32, 15, 25.6, 3.05, kNoFigure, true, "cpu-gemm.json fp32 512^3"},
   {GemmDevice::kCpu, InputClass::kFp32, 21, 25.6, 3.05, 2.63, true, kCpuFp64Source},
   {GemmDevice::kCpu, InputClass::k16Bit, 0, 8.6, 16.6, kNoFigure, true, "bf16 512^3 ms, no AVX-512 forms"},
-  {GemmDevice::kCpuAvx512, InputClass::kFp32, 0, 1, 2, 0.28, true, kCpuSmallFp64Source},
-  {GemmDevice::kCpuAvx512, InputClass::kFp32, 15, 25.6, 3.05, 1.0, true, kCpuSmallFp64Source},
+  {GemmDevice::kCpuAvx512, InputClass::kFp32, 0, 1, 2, kNoFigure, false, "kernel below 32^3 (fixed costs of the slices)"},
+  {GemmDevice::kCpuAvx512, InputClass::kFp32, 15, 25.6, 3.05, kNoFigure, true, "cpu-gemm.json fp32 512^3"},
   {GemmDevice::kCpuAvx512, InputClass::kFp32, 21, 25.6, 3.05, 2.63, true, kCpuFp64Source},
   {GemmDevice::kCpuAvx512, InputClass::k16Bit, 0, 1.0, 1.0, kNoFigure, true, "bf16 128^3 ms: a tie"},
   {GemmDevice::kCpuAvx512, InputClass::k16Bit, 21, 3.94, 2.04, kNoFigure, true, "cpu-gemm.json bf16 512^3"},
