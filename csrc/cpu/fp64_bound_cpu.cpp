@@ -1,9 +1,8 @@
 // CPU kernels of the fp64 route (scheme and proof: csrc/fp64_bound.h; driver: fp64_bound_host.h).
 //
-// The CPU's auto choice for rounded outputs with an fp32 operand from 128^3 (the cost table,
-// csrc/gemm_plan.h), and what CPU CI checks of the decision and the recomputation the GPU runs,
-// on the same header's arithmetic, against the long accumulator. No lists: fix sweeps the
-// output's marks.
+// Not the CPU's auto choice (its integer slices stay): the route runs here when a gemm_path
+// forces it, so CPU CI checks the decision and the recomputation the GPU runs, on the same
+// header's arithmetic, against the long accumulator. No lists: fix sweeps the output's marks.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -135,15 +134,9 @@ int64_t no_lists(int64_t) { return 0; }
 }  // namespace
 
 const Fp64Backend& fp64_backend_cpu() {
-  static const Fp64Backend be = [] {
-    Fp64Backend b;
-    b.widen = &widen_cpu;
-    b.gemm = &fp64_gemm_cpu;
-    b.decide = &decide_cpu;
-    b.fix = &fix_cpu;
-    b.list_cap = &no_lists;
-    return b;
-  }();
+  static const Fp64Backend be{&widen_cpu, &fp64_gemm_cpu, &decide_cpu, &fix_cpu, &no_lists,
+                              // never in auto mode: the slices / CRT stay the CPU's choice (header)
+                              0};
   return be;
 }
 
