@@ -136,7 +136,7 @@ def test_dropout_and_attention_dropout_cpu_equal_cuda(dtype):
     gy = torch.randn(6, 7, 33, generator=g).to(dtype)
 
     def run(dev):
-        xx = x.to(dev).requires_grad_()
+        xx = x.detach().to(dev).requires_grad_()  # a leaf on each device
         y = keyed_dropout(xx, 0.2, key(samples=6))
         y.backward(gy.to(dev))
         return y.cpu(), xx.grad.cpu()
@@ -146,7 +146,7 @@ def test_dropout_and_attention_dropout_cpu_equal_cuda(dtype):
     q, k, v = (t.detach().to(dtype) for t in _qkv(3, seed=4))
 
     def attn(dev):
-        qq, kk, vv = (t.to(dev).requires_grad_() for t in (q, k, v))
+        qq, kk, vv = (t.detach().to(dev).requires_grad_() for t in (q, k, v))
         o = det_scaled_dot_product_attention(qq, kk, vv, dropout_p=0.3, dropout_key=key(samples=3))
         o.backward(torch.ones_like(o))
         return [t.cpu() for t in (o, qq.grad, kk.grad, vv.grad)]
