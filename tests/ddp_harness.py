@@ -33,19 +33,6 @@ def weights_digest(module, buffers: bool = False) -> str:
     return h.hexdigest()
 
 
-class SdpaBlock(nn.Module):
-    def __init__(self, dim: int, dropout_p: float = 0.0):
-        super().__init__()
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.dropout_p = dropout_p
-
-    def forward(self, x):
-        q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)  # (B, 1 head, L, dim)
-        p = self.dropout_p if self.training else 0.0
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True).squeeze(1)
-        return out if p == 0.0 else F.dropout(out, p, self.training)  # and a functional dropout
-
-
 class TinyResNet(nn.Module):
     """A ResNet-like net on (B, 3, 6, 5) images: Conv2d, BatchNorm2d, ReLU(inplace=True), a 3 x 3
     stride-2 max pool, a residual ``+=``, a strided conv, global average pooling, Linear."""
@@ -86,7 +73,7 @@ class HFCausalLM(nn.Module):
             from transformers import LlamaConfig, LlamaForCausalLM
 
             cfg = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                              num_attention_heads=4, num_key_value_heads=2 if impl == "sdpa" else 4,
+                              num_attention_heads=4, num_key_value_heads=2,
                               max_position_embeddings=8, attn_implementation=impl)
             self.lm = LlamaForCausalLM(cfg)
 
@@ -97,21 +84,12 @@ class HFCausalLM(nn.Module):
 def make_model(kind: str, vocab: int, dim: int, classes: int) -> nn.Module:
     if kind == "resnet":
         return TinyResNet(classes)
-    if kind in ("gpt2-eager", "gpt2-sdpa", "llama-eager", "llama-sdpa"):
+    if kind in ("gpt2-eager", "llama-eager"):
         family, impl = kind.split("-")
         return HFCausalLM(family, impl, vocab)
-    if kind == "encoder":  # nn.TransformerEncoder (MultiheadAttention inside), dropout 0
-        layer = nn.TransformerEncoderLayer(dim, 2, 16, dropout=0.0, activation="gelu", batch_first=True)
-        return nn.Sequential(nn.Embedding(vocab, dim), nn.TransformerEncoder(layer, 2, enable_nested_tensor=False),
-                             nn.Flatten(), nn.Linear(4 * dim, classes))
     if kind == "mlp":  # Embedding -> LayerNorm -> Linear -> GELU -> Linear
         return nn.Sequential(nn.Embedding(vocab, dim), nn.Flatten(), nn.LayerNorm(4 * dim), nn.Linear(4 * dim, 64),
                              nn.GELU(), nn.Linear(64, classes))
-    if kind == "attn":  # a user-written attention calling F.scaled_dot_product_attention directly
-        return nn.Sequential(nn.Embedding(vocab, dim), SdpaBlock(dim), nn.Flatten(), nn.Linear(4 * dim, classes))
-    if kind == "mlp_dropout":  # attention dropout, F.dropout and nn.Dropout
-        return nn.Sequential(nn.Embedding(vocab, dim), SdpaBlock(dim, dropout_p=0.2), nn.Flatten(),
-                             nn.Linear(4 * dim, 64), nn.ReLU(), nn.Dropout(0.25), nn.Linear(64, classes))
     if kind == "linear":  # Linear/ReLU only
         return nn.Sequential(nn.Flatten(), nn.Linear(4 * dim, 64), nn.ReLU(), nn.Linear(64, classes))
     raise ValueError(kind)

@@ -55,7 +55,7 @@ def losses(rows):
     return [l for _, l in rows]
 
 
-@pytest.mark.parametrize("devices", [2, 3, 4])
+@pytest.mark.parametrize("devices", [2, 3])  # 4: tests/test_zoo.py
 def test_world_size_invariance(devices):
     base = run(1)
     other = run(devices)
@@ -92,12 +92,6 @@ def test_control_plain_ddp_differs():
 def test_strict_mode_raises_on_uncovered_op():
     with pytest.raises(RuntimeError, match=r"(?s)UnverifiedOpError.*outside lightning_det's verified set.*aten\.mm"):
         run(1, transform=False, model="linear", steps=1)
-
-
-def test_user_sdpa_is_routed_to_exact_attention():
-    # The model calls F.scaled_dot_product_attention itself: det_ddp sends it to the exact kernel
-    # (else the strict audit would reject aten._scaled_dot_product_*), and world size 2 matches 1.
-    assert weights(run(2, model="attn")) == weights(run(1, model="attn"))
 
 
 def test_cached_gemm_plans_give_the_same_bytes_and_really_guess():

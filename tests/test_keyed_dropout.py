@@ -1,10 +1,9 @@
 """Keyed dropout: a sample's mask depends only on (seed, step, global sample, site, element).
 
 Checked against an independent pure-Python Philox, split differently (world sizes, micro-batches,
-batch dimension 0 or 1), statistically, through autograd, per call site, and in det_ddp runs at
-world sizes 1 and 2 and with accumulation 2 (tests/ddp_harness.py, model "mlp_dropout").
+batch dimension 0 or 1), statistically, through autograd and per call site. det_ddp runs with
+dropout at several world sizes and with accumulation: tests/test_zoo.py.
 """
-import warnings
 
 import pytest
 import torch
@@ -372,17 +371,6 @@ def test_sdpa_dropout_routed_under_the_function_mode():
     assert torch.equal(a[2:], b)
 
 
-# ---- det_ddp, several processes ----------------------------------------------------------------
+# Multi-process det_ddp runs with dropout (nn.Dropout, attention dropout) at world sizes 1, 2 and 4
+# and with accumulation: tests/test_zoo.py (GPT-2, ViT, nn.TransformerEncoder, an MLP).
 
-@pytest.mark.slow
-def test_det_ddp_dropout_is_world_size_and_accumulation_invariant():
-    from test_det_ddp import run, weights, losses
-
-    base = run(1, model="mlp_dropout", steps=2)
-    two = run(2, model="mlp_dropout", steps=2)
-    assert weights(two) == weights(base) and losses(two) == losses(base)
-    # with accumulation the logged loss is the last micro-batch's: the weights carry the step
-    assert weights(run(1, 2, model="mlp_dropout", steps=2)) == weights(base)
-    # control: Lightning's DDP with PyTorch's dropout differs between world sizes
-    plain = [run(d, strategy="ddp", transform=False, loss="mean", model="mlp_dropout", steps=2) for d in (1, 2)]
-    assert weights(plain[0]) != weights(plain[1])
