@@ -1,8 +1,7 @@
 // Host side of the fp64 route (csrc/fp64_bound.h has the scheme and its proof).
 //
-// gemm_fp64_bound() is tried first by both devices' gemm (rounded outputs only: digits need the
-// exact sum itself, which the slices give). It returns an undefined tensor when the route does
-// not apply (switched off, auto mode and not worth it), and the caller goes on as before.
+// gemm_fp64_bound() runs a plan whose route is fp64 (csrc/gemm_plan.h chooses it; rounded outputs
+// only: digits need the exact sum itself, which the slices give).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -10,11 +9,11 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <cstdlib>
 #include <tuple>
 #include <utility>
 
 #include "fp64_bound.h"
+#include "gemm_plan.h"
 #include "int_slices_host.h"
 #include "op_checks.h"
 #include "uninit.h"
@@ -49,9 +48,6 @@ struct Fp64Backend {
               const at::Tensor& uw, int fmt, at::Tensor& out, Fp64Lists& lists);
   // The lists' capacity for M N outputs (0: none).
   int64_t (*list_cap)(int64_t outputs);
-  // Auto mode: the route for rounded outputs with an fp32 operand from this much work (M N K;
-  // 0: never in auto mode).
-  int64_t auto_min_work_fp32;
 };
 
 const Fp64Backend& fp64_backend_cpu();   // csrc/cpu/fp64_bound_cpu.cpp
@@ -61,17 +57,10 @@ const Fp64Backend& fp64_backend_cuda();  // csrc/cuda/fp64_bound_cuda.cu
 // device; undefined otherwise (lightning_det.ops.last_fp64_counts: tests and benchmarks).
 at::Tensor& last_fp64_counts();
 
-inline at::Tensor gemm_fp64_bound(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias,
-                                  at::ScalarType out_dtype, const Fp64Backend& be) {
-  const int mode = gemm_path();
-  const int64_t M = x_in.size(0), K = x_in.size(1), N = w_in.size(0);
-  last_fp64_counts() = at::Tensor();  // until this call takes the route
-  if (M == 0 || N == 0 || K == 0) return {};
-  if (mode != kPathFp64) {
-    if (mode != kPathAuto || be.auto_min_work_fp32 <= 0) return {};
-    const bool fp32 = x_in.scalar_type() == at::kFloat || w_in.scalar_type() == at::kFloat;
-    if (!fp32 || double(M) * double(N) * double(K) < double(be.auto_min_work_fp32)) return {};
-  }
+inline at::Tensor gemm_fp64_bound(const GemmPlan& plan, const at::Tensor& x_in, const at::Tensor& w_in,
+                                  const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype,
+                                  const Fp64Backend& be) {
+  const int64_t M = plan.M, K = plan.K, N = plan.N;
   TORCH_CHECK(K <= (int64_t(1) << 33), "x: K = ", K, " exceeds the fp64 route's bound (2^33)");
   const int fmt = out_format(out_dtype);
   // row-major operands (DetLinear's backward passes transposed views): the GEMM, the norms and
@@ -93,10 +82,8 @@ inline at::Tensor gemm_fp64_bound(const at::Tensor& x_in, const at::Tensor& w_in
     lists.list2 = uninit({lists.cap}, lists.counts.options());
   }
 
-  // N in chunks so the fp64 products D stay within ~256 MiB (they live at the step's peak).
-  int64_t cap_mib = 256;
-  if (const char* env = std::getenv("LIGHTNING_DET_FP64_CHUNK_MIB")) cap_mib = std::max<int64_t>(1, std::atoll(env));
-  const int64_t nc = std::min<int64_t>(N, std::max<int64_t>(8, ((cap_mib << 20) / (8 * M)) / 8 * 8));
+  // N in chunks so the fp64 products D stay within the chunk MiB (they live at the step's peak).
+  const int64_t nc = plan.fp64_n_chunk;
   for (int64_t n0 = 0; n0 < N; n0 += nc) {
     const int64_t n = std::min(nc, N - n0);
     at::Tensor D = uninit({M, n}, xd.options());  // the GEMM writes all of it

@@ -1,10 +1,10 @@
 // Host side of the integer-slice GEMM (csrc/int_slices.h has the scheme and its proof).
 //
-// gemm_int_slices() is tried first by both devices' gemm / gemm_partial. It returns an undefined
-// tensor when the path does not apply (switched off, too small in auto mode, most rows out of
-// range), and the caller runs the long-accumulator kernel as before. Rows of x (columns of the
-// result) that the slices cannot hold exactly are recomputed by that kernel, so the result is
-// always the long accumulator's, byte for byte.
+// gemm_int_slices() runs a plan whose route is the slices (csrc/gemm_plan.h chooses it), in named
+// steps: plan (a guess, or both operands' row summaries and the planner's slices stage), slice,
+// multiply and combine (per N-chunk), fix-up. Rows of x (columns of the result) that the slices
+// cannot hold exactly are recomputed by the long-accumulator kernel, so the result is always the
+// long accumulator's, byte for byte.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -22,26 +22,12 @@
 #include <utility>
 
 #include "crt.h"
+#include "gemm_plan.h"
 #include "int_slices.h"
 #include "scratch_pool.h"
 #include "uninit.h"
 
 namespace ldet {
-
-// Path switch (ldet::set_gemm_path, lightning_det.ops.gemm_path): which exact route gemm takes.
-// kPathSlices: the slices, with the backend's choice between diagonals and the CRT route (crt.h);
-// kPathSlicesDiagonals / kPathSlicesCrt force one of them (CRT where the backend has
-// it and the moduli cover the products; else the diagonals). kPathFp64: rounded outputs through the
-// fp64 route (csrc/fp64_bound_host.h) whatever their size and dtypes; digits as in auto mode.
-enum GemmPath {
-  kPathAuto = 0,
-  kPathKernel = 1,
-  kPathSlices = 2,
-  kPathSlicesDiagonals = 3,
-  kPathSlicesCrt = 4,
-  kPathFp64 = 5
-};
-int gemm_path();  // csrc/schema/gemm.cpp
 
 // A row-major (unit column stride) fp32 / bf16 / fp16 operand as the kernels read it (int_slices.h).
 inline Elems elems_of(const at::Tensor& a) {
@@ -171,23 +157,14 @@ struct SliceBackend {
   // Both summaries (2 kSumLen int32) copied toward the host without waiting for them.
   std::shared_ptr<PendingSummary> (*summary_later)(const at::Tensor& sums);
   int bits;          // digit width: 8, or 7 where the int8 GEMM could saturate 16-bit pair sums
-  // Auto mode: M*N*K from which the slices beat the long-accumulator kernel, when an input is
-  // fp32 (the kernel then splits it into four products) and when both are bf16 / fp16, as
-  // benchmarks/gemm.py measures the two routes on each device.
-  int64_t min_work_fp32;
-  int64_t min_work_16bit;
-  // Cost of one residue term of the combine in int8 multiply-adds of the GEMMs: the host weighs
-  // a slice fewer against the residues it leaves.
-  double term_macs;
-  // chunk_columns' rule for the int8 GEMM library: 0, or the most outputs a chunk may hold.
+  // chunk_columns' rule for the int8 GEMM library (gemm_plan.h): 0, or the most outputs a chunk may hold.
   int64_t chunk_max_outputs;
   // Whether slice GEMMs plan from cached guesses when a call asks for the default (plans (-1, -1)).
   bool guess_by_default;
-  // The CRT route (crt.h): whether make_slices / combine take moduli > 0, and the cost of one
-  // output's reconstruction per modulus, in int8 multiply-adds (the auto choice weighs Q GEMMs
-  // plus that against Sx * Sw GEMMs; infinity: only where a path forces it).
+  // The CRT route (crt.h): whether make_slices / combine take moduli > 0.
   bool crt_route;
-  double crt_output_macs;
+  // The cost table's device (gemm_plan.h): the route and the slices' costs are chosen for it.
+  GemmDevice device;
 };
 
 // The plan of the last GEMM this thread ran on the slices: Sx, Sw, x's and w's residues, x's and
@@ -196,11 +173,9 @@ struct SliceBackend {
 // the counts it did not wait for.
 std::array<int64_t, 7>& last_slices_plan();
 
-// How a slice GEMM gets its plan, the gemm / gemm_partial ops' plans argument checked
-// (csrc/schema/gemm.cpp): {-1, -1} the backend's default, {-2, -2} cached guesses on every device,
-// {0, 0} from this call's summaries (one host synchronization), {Sx, Sw} >= 1 that fixed guess
-// (tests: guesses too small and too large).
-std::array<int64_t, 2> checked_plans(at::IntArrayRef plans);
+// The gemm / gemm_partial ops' options argument [plan_x, plan_w(, route)] checked
+// (csrc/schema/gemm.cpp; gemm_plan.h, GemmOptions): a clear error names the bad value.
+GemmOptions checked_options(at::IntArrayRef options);
 
 // Each device's kernels (csrc/cpu/int_slices_cpu.cpp, csrc/cuda/int_slices_cuda.cu).
 const SliceBackend& slice_backend_cpu();
@@ -231,74 +206,6 @@ inline int64_t output_row_stride(const at::Tensor& out, bool digits) {
 }
 
 using LongAccGemm = std::function<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&)>;
-
-inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
-
-// The N-chunk width Nc and the padded column count Np (>= N, a multiple of 8; the last chunk may
-// be narrower) for int32 diagonals (P, Mp, Nc) within cap_mib. max_outputs > 0 (CUDA): every chunk
-// Nc = 8 (mod 16) wide with Mp * Nc <= max_outputs, padding w's slices with zero rows: cuBLASLt
-// then runs its sm90 int8 kernels, where multiples of 16 get its sm80 ones (~0.8x) and wider
-// chunks a slow sm80 one (~0.3x), as a scan of the chunk width on Hopper showed.
-inline std::pair<int64_t, int64_t> chunk_columns(int64_t N, int64_t Mp, int64_t P, int64_t cap_mib,
-                                                 int64_t max_outputs) {
-  const int64_t N8 = round_up(N, 8), per_col = std::max<int64_t>(1, P) * Mp * 4;
-  const int64_t cap = std::max<int64_t>(8, ((cap_mib << 20) / per_col) / 8 * 8);
-  if (max_outputs > 0 && max_outputs / Mp >= 8) {
-    const int64_t c8 = (std::min(cap, max_outputs / Mp) - 8) / 16 * 16 + 8;  // the widest = 8 (mod 16)
-    const int64_t n_chunks = (N8 + c8 - 1) / c8;
-    const int64_t want = std::max<int64_t>(8, (N8 + n_chunks - 1) / n_chunks);
-    const int64_t w = round_up(want - 8, 16) + 8;  // <= c8: c8 = 8 (mod 16) and want <= c8
-    return {w, w * n_chunks};
-  }
-  const int64_t n_chunks = (N8 + cap - 1) / cap;
-  return {std::min(N8, round_up((N8 + n_chunks - 1) / n_chunks, max_outputs > 0 ? 16 : 8)), N8};
-}
-
-// How one GEMM is sliced: slices per operand, the K-chunk and its count, and whether the
-// combine's 128-bit sum is proven (else every output takes the long accumulator).
-struct SlicePlan {
-  int64_t Sx, Sw, Kc, nch;
-  bool wide;
-};
-
-// The K-chunk for (Sa, Sb) slices: int32 holds a diagonal's sum while pairs * Kc * 2^(2 bits - 2)
-// < 2^31. Sets Kc and nch; returns the pairs of the longest diagonal.
-inline int64_t slice_k_chunks(int64_t K, int64_t Sa, int64_t Sb, int bits, int64_t* Kc, int64_t* nch) {
-  const int64_t pairs = std::max<int64_t>(1, std::min(Sa, Sb));
-  const int64_t kc_max = (kSliceIntBound / (pairs << (2 * bits - 2))) / 16 * 16;
-  *nch = (round_up(K, 16) + kc_max - 1) / kc_max;
-  *Kc = round_up((K + *nch - 1) / *nch, 16);
-  return pairs;
-}
-
-// The slice counts from both operands' summaries (int_slices.h, kSum*): from each operand's least
-// up to kSliceMax, the pair with the least work (int8 multiply-adds plus term_macs per residue
-// term) among those whose 128-bit combine is proven.
-inline SlicePlan plan_slices(const int32_t* sx, const int32_t* sw, int64_t M, int64_t N, int64_t K, int bits,
-                             double term_macs) {
-  auto plan_for = [&](int64_t Sa, int64_t Sb) {
-    SlicePlan p{Sa, Sb, 0, 0, true};
-    slice_k_chunks(K, Sa, Sb, bits, &p.Kc, &p.nch);
-    p.wide = slices_wide(sx, sw, int(Sa), int(Sb), p.nch, p.Kc, bits);
-    return p;
-  };
-  const int64_t Sx0 = sx[kSumNeed], Sw0 = sw[kSumNeed];
-  SlicePlan best = plan_for(Sx0, Sw0);
-  if (Sx0 == 0 || Sw0 == 0) return best;  // an all-zero (or all left-out) operand
-  double best_cost = std::numeric_limits<double>::infinity();
-  for (int64_t a = Sx0; a <= kSliceMax; ++a) {
-    for (int64_t b = Sw0; b <= kSliceMax; ++b) {
-      const SlicePlan p = plan_for(a, b);
-      const double cost = double(a * b) * double(M) * double(N) * double(K) +
-                          term_macs * (double(sx[kSumCount + a - 1]) * double(N) + double(sw[kSumCount + b - 1]) * double(M));
-      if ((p.wide && !best.wide) || (p.wide == best.wide && cost < best_cost)) {
-        best = p;
-        best_cost = cost;
-      }
-    }
-  }
-  return best;
-}
 
 // Guessed plans. The plan needs both operands' summaries, which live on the device: reading them
 // synchronizes the host with the GPU once per GEMM, and the host then cannot queue work ahead.
@@ -362,74 +269,76 @@ inline GuessCache& guess_cache() {
   return *cache;
 }
 
-// The plan from both summaries (host memory), and whether the slices should run at all in auto
-// mode (when most rows would be recomputed anyway, the long-accumulator kernel alone is cheaper).
-inline SlicePlan plan_from_summaries(const int32_t* sx, const int32_t* sw, int64_t M, int64_t N, int64_t K,
-                                     const SliceBackend& be, bool* worth_it) {
-  *worth_it = !(2 * int64_t(sx[kSumBad]) > M || 2 * int64_t(sw[kSumBad]) > N);
-  return plan_slices(sx, sw, M, N, K, be.bits, be.term_macs);
+// ---------------------------------------------------------------------------------------------
+// A slice GEMM in steps: plan (guess or summaries, then gemm_plan.h's slices stage), slice,
+// multiply (int8 GEMMs per N-chunk), combine, fix-up (rows the slices could not hold).
+
+// What the plan step hands to the later steps.
+struct SliceRun {
+  at::Tensor x, w;            // the operands with dense rows
+  at::Tensor sums;            // both summaries (2 kSumLen int32, on the operands' device)
+  at::Tensor nx, nw;          // per-row needs (SliceBackend::row_needs)
+  at::Tensor left_x, left_w;  // guessed plan: the rows needing more slices than guessed
+  bool res_x = true, res_w = true;  // an operand has residue lists at its slice count
+};
+
+// Plan, part 1: the guess this call takes, if any: a fixed one from the options, or the cache of
+// this key's recent plans (which first takes in a summary that has since reached the host).
+inline std::pair<int64_t, int64_t> slices_guess(const GemmPlan& plan, const at::Tensor& x, const at::Tensor& w,
+                                                bool has_bias, const SliceBackend& be, GuessState** state) {
+  const GemmOptions& o = plan.options;
+  std::pair<int64_t, int64_t> g{o.plan_x > 0 ? o.plan_x : 0, o.plan_w > 0 ? o.plan_w : 0};
+  *state = nullptr;
+  if (!(o.plan_x == -2 || (o.plan_x == -1 && be.guess_by_default))) return g;
+  const GuessKey key{plan.M, plan.N, plan.K, int(x.scalar_type()), int(w.scalar_type()), int(x.device().type()),
+                     int(x.device().index()), plan.digits, has_bias};
+  GuessCache& gc = guess_cache();
+  std::lock_guard<std::mutex> lock(gc.mu);
+  GuessState* st = &gc.states[key];  // node-based map: the pointer stays valid
+  if (st->pending && st->pending->ready()) {
+    const int32_t* hs = st->pending->host.data_ptr<int32_t>();
+    SlicesPlan counts;
+    plan_slice_counts(hs, hs + kSumLen, plan.M, plan.N, plan.K, be.bits, slice_costs(be.device).term_macs, &counts);
+    st->record(counts.slices_x, counts.slices_w, slices_worth_it(hs, hs + kSumLen, plan.M, plan.N));
+    st->pending.reset();
+  }
+  if (st->usable) g = st->guess();
+  *state = st;
+  return g;
 }
 
-// The CRT route's moduli for this GEMM (crt.h), or 0 for the diagonals: forced by the path,
-// else where the backend has the route and Q GEMMs plus the reconstruction cost less than the
-// diagonals' Sx * Sw GEMMs.
-inline int64_t crt_moduli(const SliceBackend& be, int mode, int64_t M, int64_t N, int64_t K, int64_t Sx,
-                          int64_t Sw) {
-  if (!be.crt_route || mode == kPathSlicesDiagonals) return 0;
-  const int64_t Q = crt_moduli_needed(K, int(Sx), int(Sw), be.bits);
-  if (Q == 0 || mode == kPathSlicesCrt) return Q;
-  const double mn = double(M) * double(N);
-  const double crt_cost = double(Q) * mn * double(K) + be.crt_output_macs * double(Q) * mn;
-  return crt_cost < double(Sx * Sw) * mn * double(K) ? Q : 0;
+// Plan, part 2: both operands' row needs and summaries (one zeroed buffer: the summaries, then,
+// for a guessed plan, the lists of rows left to exact_rows).
+inline SliceRun slices_summaries(const at::Tensor& x_in, const at::Tensor& w_in, bool guessed, const SliceBackend& be) {
+  SliceRun r;
+  r.x = dense_rows(x_in);
+  r.w = dense_rows(w_in);
+  const int64_t M = r.x.size(0), N = r.w.size(0);
+  const at::Tensor scratch = at::zeros({2 * kSumLen + (guessed ? M + 1 + N + 1 : 0)}, r.x.options().dtype(at::kInt));
+  r.sums = scratch.narrow(0, 0, 2 * kSumLen);
+  at::Tensor sum_x = r.sums.narrow(0, 0, kSumLen), sum_w = r.sums.narrow(0, kSumLen, kSumLen);
+  r.nx = be.row_needs(r.x, be.bits, sum_x);
+  r.nw = be.row_needs(r.w, be.bits, sum_w);
+  if (guessed) {
+    r.left_x = scratch.narrow(0, 2 * kSumLen, M + 1);
+    r.left_w = scratch.narrow(0, 2 * kSumLen + M + 1, N + 1);
+  }
+  return r;
 }
 
-inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias,
-                                  bool digits, at::ScalarType out_dtype, const std::array<int64_t, 2>& gm,
-                                  const SliceBackend& be, const LongAccGemm& long_acc) {
-  // the fp64 route's switch leaves digits (and what it declined) to the auto choice
-  const int mode = gemm_path() == kPathFp64 ? kPathAuto : gemm_path();
-  if (mode == kPathKernel) return {};
-  const int64_t M = x_in.size(0), K = x_in.size(1), N = w_in.size(0);
-  if (M == 0 || N == 0 || K == 0) return {};
-  if (mode == kPathAuto) {
-    const bool fp32 = x_in.scalar_type() == at::kFloat || w_in.scalar_type() == at::kFloat;
-    if (double(M) * double(N) * double(K) < double(fp32 ? be.min_work_fp32 : be.min_work_16bit)) return {};
-  }
-  const at::Tensor x = dense_rows(x_in), w = dense_rows(w_in);
-  const int bits = be.bits;
+inline SliceTarget slice_target(const SliceBackend& be) {
+  SliceTarget t;
+  t.bits = be.bits;
+  t.crt_available = be.crt_route;
+  t.chunk_max_outputs = be.chunk_max_outputs;
+  return t;
+}
 
-  // The guess, if this call takes one (gm: checked_plans).
-  const bool cached = gm[0] == -2 || (gm[0] == -1 && be.guess_by_default);
-  int64_t gSx = gm[0] > 0 ? gm[0] : 0, gSw = gm[1] > 0 ? gm[1] : 0;
-  GuessState* st = nullptr;
-  if (cached) {
-    const GuessKey key{M, N, K, int(x.scalar_type()), int(w.scalar_type()), int(x.device().type()),
-                       int(x.device().index()), digits, bias.has_value()};
-    GuessCache& gc = guess_cache();
-    std::lock_guard<std::mutex> lock(gc.mu);
-    st = &gc.states[key];  // node-based map: the pointer stays valid
-    if (st->pending && st->pending->ready()) {
-      const int32_t* hs = st->pending->host.data_ptr<int32_t>();
-      bool worth_it;
-      const SlicePlan p = plan_from_summaries(hs, hs + kSumLen, M, N, K, be, &worth_it);
-      st->record(p.Sx, p.Sw, worth_it);
-      st->pending.reset();
-    }
-    if (st->usable) std::tie(gSx, gSw) = st->guess();
-  }
-  const bool guessed = gSx > 0 && gSw > 0;
-
-  // One zeroed buffer: both summaries, then (guessed) the lists of rows left to exact_rows.
-  const at::Tensor scratch = at::zeros({2 * kSumLen + (guessed ? M + 1 + N + 1 : 0)}, x.options().dtype(at::kInt));
-  const at::Tensor sums = scratch.narrow(0, 0, 2 * kSumLen);
-  at::Tensor sum_x = sums.narrow(0, 0, kSumLen), sum_w = sums.narrow(0, kSumLen, kSumLen);
-  const at::Tensor nx = be.row_needs(x, bits, sum_x);
-  const at::Tensor nw = be.row_needs(w, bits, sum_w);
-
-  SlicePlan plan{};
-  bool res_x = true, res_w = true;
-  int64_t nbad_x = 0, nbad_w = 0;
-  at::Tensor left_x, left_w;
+// Plan, part 3: the slices' plan (gemm_plan.h, plan_slices_stage) from the guess, or from the
+// summaries read on the host (one synchronization). False: auto sends the call to the kernel.
+inline bool slices_plan_step(GemmPlan* plan, SliceRun& r, std::pair<int64_t, int64_t> guess, GuessState* st,
+                             const SliceBackend& be) {
+  const bool guessed = guess.first > 0 && guess.second > 0;
   if (guessed) {
     if (st != nullptr) {  // one summary on its way per key at a time
       bool wanted;
@@ -438,118 +347,131 @@ inline at::Tensor gemm_int_slices(const at::Tensor& x_in, const at::Tensor& w_in
         wanted = !st->pending;
       }
       if (wanted) {
-        std::shared_ptr<PendingSummary> later = be.summary_later(sums);
+        std::shared_ptr<PendingSummary> later = be.summary_later(r.sums);
         std::lock_guard<std::mutex> lock(guess_cache().mu);
         if (!st->pending) st->pending = std::move(later);
       }
     }
-    plan = SlicePlan{gSx, gSw, 0, 0, false};
-    slice_k_chunks(K, gSx, gSw, bits, &plan.Kc, &plan.nch);
-    left_x = scratch.narrow(0, 2 * kSumLen, M + 1);
-    left_w = scratch.narrow(0, 2 * kSumLen + M + 1, N + 1);
-    last_slices_plan() = {gSx, gSw, -1, -1, -1, -1, 0};
+    plan_slices_stage(plan, nullptr, nullptr, guess.first, guess.second, slice_target(be));
   } else {
-    // One host synchronization: both operands' summaries (int_slices.h, kSum*).
-    const at::Tensor summary = sums.cpu();
+    const at::Tensor summary = r.sums.cpu();
     const int32_t* sx = summary.data_ptr<int32_t>();
-    const int32_t* sw = sx + kSumLen;
-    bool worth_it;
-    plan = plan_from_summaries(sx, sw, M, N, K, be, &worth_it);
+    plan_slices_stage(plan, sx, sx + kSumLen, 0, 0, slice_target(be));
     if (st != nullptr) {
       std::lock_guard<std::mutex> lock(guess_cache().mu);
-      st->record(plan.Sx, plan.Sw, worth_it);
+      st->record(plan->slices.slices_x, plan->slices.slices_w, plan->slices.worth_it);
     }
-    if (mode == kPathAuto && !worth_it) return {};
-    nbad_x = sx[kSumBad];
-    nbad_w = sw[kSumBad];
-    res_x = plan.Sx > 0 && sx[kSumCount + plan.Sx - 1] > 0;
-    res_w = plan.Sw > 0 && sw[kSumCount + plan.Sw - 1] > 0;
-    last_slices_plan() = {plan.Sx, plan.Sw, plan.Sx > 0 ? sx[kSumCount + plan.Sx - 1] : 0,
-                          plan.Sw > 0 ? sw[kSumCount + plan.Sw - 1] : 0, nbad_x, nbad_w, 0};
+    if (plan->route == GemmRoute::kKernel) return false;
+    r.res_x = plan->slices.residues_x > 0;
+    r.res_w = plan->slices.residues_w > 0;
   }
-  const int64_t Sx = plan.Sx, Sw = plan.Sw;
-  const WideCheck check{guessed ? sums.data_ptr<int32_t>() : nullptr, int(Sx), int(Sw), plan.nch, plan.Kc};
-  const int64_t Mp = std::max<int64_t>(M, 17);  // cuBLASLt int8: M > 16
-  // Diagonals (Sx * Sw GEMMs' multiply-adds, K in nch chunks) or CRT (Q GEMMs of all of K).
-  const int64_t Q = crt_moduli(be, mode, M, N, K, Sx, Sw);
-  last_slices_plan()[6] = Q;
-  const int64_t Kc = Q > 0 ? round_up(K, 16) : plan.Kc, nch = Q > 0 ? 1 : plan.nch;
-  const int64_t D = (Sx > 0 && Sw > 0) ? Sx + Sw - 1 : 0, P = Q > 0 ? Q : D * nch;
+  const SlicesPlan& s = plan->slices;
+  last_slices_plan() = {s.slices_x, s.slices_w, s.residues_x, s.residues_w, s.kernel_rows_x, s.kernel_rows_w, s.moduli};
+  return true;
+}
 
-  // N in chunks so the int32 diagonals stay within ~256 MiB (they live at the training step's peak).
-  // LIGHTNING_DET_SLICES_CHUNK_MIB changes the cap (benchmarks: wider GEMMs against memory).
-  int64_t cap_mib = 256;
-  if (const char* env = std::getenv("LIGHTNING_DET_SLICES_CHUNK_MIB")) cap_mib = std::max<int64_t>(1, std::atoll(env));
-  const auto [Nc, Np] = chunk_columns(N, Mp, P, cap_mib, be.chunk_max_outputs);
-  // LIGHTNING_DET_SLICES_CONTIGUOUS=1 hands each diagonal's operands to the int8 GEMM as contiguous
-  // copies instead of column views (benchmarks: which kernels cuBLASLt then picks; diagonals only).
-  const char* contig_env = std::getenv("LIGHTNING_DET_SLICES_CONTIGUOUS");
-  const bool contig = contig_env != nullptr && std::string(contig_env) == "1";
-
-  const SliceOperand xo = be.make_slices(x, nx, Sx, bits, false, Kc, nch, Mp, res_x, left_x, Q);
-  const SliceOperand wo = be.make_slices(w, nw, Sw, bits, Q == 0, Kc, nch, Np, res_w, left_w, Q);
-  const at::Tensor& xs = xo.q;
-  const at::Tensor& ws = wo.q;
-  at::Tensor bd;
-  if (bias.has_value()) bd = bias->to(at::kDouble).contiguous();
-
-  at::Tensor out;
+// Multiply: the int8 GEMMs of one N-chunk (columns [n0, n0 + ncp) of w's slices) into C
+// (planes, Mp, ncp): one per CRT modulus, or one per (K-chunk, diagonal of slice pairs).
+inline void slices_multiply(const SlicesPlan& s, const at::Tensor& xs, const at::Tensor& ws, int64_t n0, int64_t ncp,
+                            at::Tensor& C, const at::Device& device, const SliceBackend& be) {
   const int8_t* xq = xs.numel() ? xs.data_ptr<int8_t>() : nullptr;
   const int8_t* wq = ws.numel() ? ws.data_ptr<int8_t>() : nullptr;
-  const int64_t ldx = xs.size(1), ldw = ws.size(1);
+  int32_t* Cq = C.numel() ? C.data_ptr<int32_t>() : nullptr;
+  const int64_t ldx = xs.size(1), ldw = ws.size(1), Mp = s.rows_padded, Kc = s.sliced_k_chunk;
+  if (s.moduli > 0) {  // one int8 GEMM per modulus t: its planes at columns t * Kc, its sums at plane t
+    // (one strided-batched cuBLASLt call instead ran 2.2x slower: cuBLASLt picks an sm80 kernel)
+    for (int64_t t = 0; t < s.moduli; ++t)
+      be.int8_mm(Int8Gemm{xq + t * Kc, ldx, wq + n0 * ldw + t * Kc, ldw, Cq + t * Mp * ncp, ncp, Mp, ncp, Kc}, device);
+    return;
+  }
+  const int64_t Sx = s.slices_x, Sw = s.slices_w, D = s.diagonals;
+  for (int64_t c = 0; c < s.sliced_k_chunks; ++c) {
+    for (int64_t d = 0; d < D; ++d) {
+      const int64_t i0 = std::max<int64_t>(0, d - (Sw - 1)), i1 = std::min<int64_t>(d, Sx - 1);
+      // x slices i0..i1 and w slices d-i0 .. d-i1, whose reversed slots are contiguous too
+      const int64_t xcol = (c * Sx + i0) * Kc, wcol = (c * Sw + (Sw - 1 - d + i0)) * Kc;
+      const int64_t klen = (i1 - i0 + 1) * Kc, plane = c * D + d;
+      Int8Gemm g{xq + xcol, ldx, wq + n0 * ldw + wcol, ldw, Cq + plane * Mp * ncp, ncp, Mp, ncp, klen};
+      at::Tensor a_copy, b_copy;  // stream-ordered: they may be freed once the GEMM is queued
+      if (gemm_env().slices_contiguous) {  // the benchmarks' variant: contiguous copies of both operands
+        a_copy = xs.narrow(1, xcol, klen).contiguous();
+        b_copy = ws.narrow(0, n0, ncp).narrow(1, wcol, klen).contiguous();
+        g.a = a_copy.data_ptr<int8_t>();
+        g.b = b_copy.data_ptr<int8_t>();
+        g.lda = g.ldb = klen;
+      }
+      be.int8_mm(g, device);
+    }
+  }
+}
+
+// Multiply and combine, N-chunk by N-chunk (the int32 planes stay within the chunk's MiB); each
+// chunk's outputs go straight into their columns of the result (a copy per chunk cost ~50 us at
+// 4096^3).
+inline at::Tensor slices_multiply_combine(const GemmPlan& plan, const SliceRun& r, const SliceOperand& xo,
+                                          const SliceOperand& wo, const at::Tensor& bd, at::ScalarType out_dtype,
+                                          const SliceBackend& be) {
+  const SlicesPlan& s = plan.slices;
+  const int64_t M = plan.M, N = plan.N, Nc = s.n_chunk, Np = s.n_padded;
+  const bool guessed = s.guessed;
+  const WideCheck check{guessed ? r.sums.data_ptr<int32_t>() : nullptr, int(s.slices_x), int(s.slices_w), s.k_chunks,
+                        s.k_chunk};
+  at::Tensor out;
   for (int64_t n0 = 0; n0 < N; n0 += Nc) {
     const int64_t ncp = std::min(Nc, Np - n0), nv = std::min(Nc, N - n0);
-    // each diagonal's GEMM writes all of it; kept between calls on the CPU (scratch_pool.h)
-    at::Tensor C = pooled_uninit({P, Mp, ncp}, x.options().dtype(at::kInt));
-    int32_t* Cq = C.numel() ? C.data_ptr<int32_t>() : nullptr;
-    if (Q > 0) {  // one int8 GEMM per modulus t: its planes at columns t * Kc, its sums at plane t
-      // (one strided-batched cuBLASLt call instead ran 2.2x slower: cuBLASLt picks an sm80 kernel)
-      for (int64_t t = 0; t < Q; ++t)
-        be.int8_mm(Int8Gemm{xq + t * Kc, ldx, wq + n0 * ldw + t * Kc, ldw, Cq + t * Mp * ncp, ncp, Mp, ncp, Kc},
-                   x.device());
-    } else {  // one int8 GEMM per (K-chunk, diagonal)
-      for (int64_t c = 0; c < nch; ++c) {
-        for (int64_t d = 0; d < D; ++d) {
-          const int64_t i0 = std::max<int64_t>(0, d - (Sw - 1)), i1 = std::min<int64_t>(d, Sx - 1);
-          // x slices i0..i1 and w slices d-i0 .. d-i1, whose reversed slots are contiguous too
-          const int64_t xcol = (c * Sx + i0) * Kc, wcol = (c * Sw + (Sw - 1 - d + i0)) * Kc;
-          const int64_t klen = (i1 - i0 + 1) * Kc, plane = c * D + d;
-          Int8Gemm g{xq + xcol, ldx, wq + n0 * ldw + wcol, ldw, Cq + plane * Mp * ncp, ncp, Mp, ncp, klen};
-          at::Tensor a_copy, b_copy;  // stream-ordered: they may be freed once the GEMM is queued
-          if (contig) {  // the benchmarks' variant: contiguous copies of both operands
-            a_copy = xs.narrow(1, xcol, klen).contiguous();
-            b_copy = ws.narrow(0, n0, ncp).narrow(1, wcol, klen).contiguous();
-            g.a = a_copy.data_ptr<int8_t>();
-            g.b = b_copy.data_ptr<int8_t>();
-            g.lda = g.ldb = klen;
-          }
-          be.int8_mm(g, x.device());
-        }
-      }
-    }
-    // an N-chunk's outputs straight into their columns (a copy per chunk cost ~50 us at 4096^3)
-    if (!out.defined()) out = combine_output(C, M, N, digits, out_dtype);  // every chunk lands
+    // each plane's GEMM writes all of it; kept between calls on the CPU (scratch_pool.h)
+    at::Tensor C = pooled_uninit({s.planes, s.rows_padded, ncp}, r.x.options().dtype(at::kInt));
+    slices_multiply(s, xo.q, wo.q, n0, ncp, C, r.x.device(), be);
+    if (!out.defined()) out = combine_output(C, M, N, plan.digits, out_dtype);  // every chunk lands
     const bool whole = n0 == 0 && nv == N;  // no views then (host time)
-    be.combine(C, M, nv, xo, wo.rows(n0, nv), bd.defined() && !whole ? bd.narrow(0, n0, nv) : bd, D, bits, plan.wide,
-               check, digits, out_dtype, Q, whole ? out : out.narrow(1, n0, nv));
+    be.combine(C, M, nv, xo, wo.rows(n0, nv), bd.defined() && !whole ? bd.narrow(0, n0, nv) : bd, s.diagonals, be.bits,
+               s.wide, check, plan.digits, out_dtype, s.moduli, whole ? out : out.narrow(1, n0, nv));
   }
+  return out;
+}
 
-  if (guessed) {  // rows needing more slices than guessed: listed on the device, recomputed there
-    be.exact_rows(out, x, w, bd, left_x, true, digits, out_dtype);
-    be.exact_rows(out, x, w, bd, left_w, false, digits, out_dtype);
-    return out;
+// Fix-up: the outputs of rows the slices could not hold exactly. A guessed plan's rows needing
+// more slices than guessed were listed on the device and are recomputed there; otherwise the rows
+// beyond kSliceMax (or holding inf/NaN) go to the long-accumulator kernel, for those rows alone.
+inline void slices_fix_up(const GemmPlan& plan, const SliceRun& r, at::Tensor& out, const at::Tensor& bd,
+                          const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype, const SliceBackend& be,
+                          const LongAccGemm& long_acc) {
+  if (plan.slices.guessed) {
+    be.exact_rows(out, r.x, r.w, bd, r.left_x, true, plan.digits, out_dtype);
+    be.exact_rows(out, r.x, r.w, bd, r.left_w, false, plan.digits, out_dtype);
+    return;
   }
-  // Rows the slices could not hold exactly: the long-accumulator kernel, for those rows alone.
-  if (nbad_x > 0) {
-    const at::Tensor idx = (nx.select(1, 1) > kSliceMax).nonzero().select(1, 0);
-    out.index_copy_(0, idx, long_acc(x.index_select(0, idx), w, bias));
+  if (plan.slices.kernel_rows_x > 0) {
+    const at::Tensor idx = (r.nx.select(1, 1) > kSliceMax).nonzero().select(1, 0);
+    out.index_copy_(0, idx, long_acc(r.x.index_select(0, idx), r.w, bias));
   }
-  if (nbad_w > 0) {
-    const at::Tensor idx = (nw.select(1, 1) > kSliceMax).nonzero().select(1, 0);
+  if (plan.slices.kernel_rows_w > 0) {
+    const at::Tensor idx = (r.nw.select(1, 1) > kSliceMax).nonzero().select(1, 0);
     c10::optional<at::Tensor> bsel;
     if (bias.has_value()) bsel = bias->index_select(0, idx);
-    out.index_copy_(1, idx, long_acc(x, w.index_select(0, idx), bsel));
+    out.index_copy_(1, idx, long_acc(r.x, r.w.index_select(0, idx), bsel));
   }
+}
+
+// The slices route of a plan whose stage 1 chose it (gemm_plan.h): its steps in order. Returns an
+// undefined tensor when the slices' own plan sends the call to the kernel (auto, most rows beyond
+// the slices); *plan then says so. The result is the long accumulator's, byte for byte.
+inline at::Tensor gemm_int_slices(GemmPlan* plan, const at::Tensor& x_in, const at::Tensor& w_in,
+                                  const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype,
+                                  const SliceBackend& be, const LongAccGemm& long_acc) {
+  GuessState* st = nullptr;
+  const std::pair<int64_t, int64_t> guess = slices_guess(*plan, x_in, w_in, bias.has_value(), be, &st);
+  SliceRun r = slices_summaries(x_in, w_in, guess.first > 0 && guess.second > 0, be);
+  if (!slices_plan_step(plan, r, guess, st, be)) return {};
+  const SlicesPlan& s = plan->slices;
+  const SliceOperand xo = be.make_slices(r.x, r.nx, s.slices_x, be.bits, false, s.sliced_k_chunk, s.sliced_k_chunks,
+                                         s.rows_padded, r.res_x, r.left_x, s.moduli);
+  const SliceOperand wo = be.make_slices(r.w, r.nw, s.slices_w, be.bits, s.moduli == 0, s.sliced_k_chunk,
+                                         s.sliced_k_chunks, s.n_padded, r.res_w, r.left_w, s.moduli);
+  at::Tensor bd;
+  if (bias.has_value()) bd = bias->to(at::kDouble).contiguous();
+  at::Tensor out = slices_multiply_combine(*plan, r, xo, wo, bd, out_dtype, be);
+  slices_fix_up(*plan, r, out, bd, bias, out_dtype, be, long_acc);
   return out;
 }
 

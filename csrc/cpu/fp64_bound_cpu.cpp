@@ -134,9 +134,15 @@ int64_t no_lists(int64_t) { return 0; }
 }  // namespace
 
 const Fp64Backend& fp64_backend_cpu() {
-  static const Fp64Backend be{&widen_cpu, &fp64_gemm_cpu, &decide_cpu, &fix_cpu, &no_lists,
-                              // never in auto mode: the slices / CRT stay the CPU's choice (header)
-                              0};
+  static const Fp64Backend be = [] {
+    Fp64Backend b;
+    b.widen = &widen_cpu;
+    b.gemm = &fp64_gemm_cpu;
+    b.decide = &decide_cpu;
+    b.fix = &fix_cpu;
+    b.list_cap = &no_lists;
+    return b;
+  }();
   return be;
 }
 

@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <string>
 #include <limits>
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -18,8 +19,7 @@
 
 #include "cpu/fp_env.h"
 #include "op_checks.h"
-#include "fp64_bound_host.h"
-#include "int_slices_host.h"
+#include "gemm_execute.h"
 #include "split.h"
 #include "gemm_common.h"
 
@@ -33,6 +33,9 @@ static_assert(std::numeric_limits<double>::is_iec559 && std::numeric_limits<floa
 // FMAs in flight to cover their latency (4 x 8 measured 15-25% slower).
 constexpr int TM = 6;
 constexpr int TN = 8;
+static_assert(kernel_tiles(GemmDevice::kCpu).tile_m == TM && kernel_tiles(GemmDevice::kCpu).tile_n == TN &&
+                  kernel_tiles(GemmDevice::kCpu).k_block == LDET_KBLOCK,
+              "the plan prints this kernel's tiling (csrc/gemm_plan.h)");
 
 // Per (row, K-block) statistics of a row-major (rows, K) fp64 matrix (x, and w itself).
 std::vector<int32_t> block_stats(const double* a, int64_t rows, int64_t K) {
@@ -257,23 +260,11 @@ void run_gemm(const GemmArgs& g, void* out_f, int64_t* out_d) {
   });
 }
 
+// The long-accumulator kernel (csrc/gemm_common.h): the kernel route, and the rows the slices
+// cannot hold.
 template <bool kFinalize>
-at::Tensor gemm_common_cpu(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                           int64_t norm_interval, at::ScalarType out_dtype, const std::array<int64_t, 2>& plans,
-                           bool allow_slices = true) {
-  check_gemm_args(x, w, bias);
-  if (allow_slices && norm_interval == 0) {
-    if (kFinalize) {  // rounded outputs: the fp64 route where it is forced (fp64_bound_host.h)
-      const at::Tensor r = gemm_fp64_bound(x, w, bias, out_dtype, fp64_backend_cpu());
-      if (r.defined()) return r;
-    }
-    const at::Tensor r = gemm_int_slices(
-        x, w, bias, !kFinalize, out_dtype, plans, slice_backend_cpu(),
-        [&](const at::Tensor& xs, const at::Tensor& ws, const c10::optional<at::Tensor>& bs) {
-          return gemm_common_cpu<kFinalize>(xs, ws, bs, 0, out_dtype, plans, false);
-        });
-    if (r.defined()) return r;
-  }
+at::Tensor gemm_kernel_cpu(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                           int64_t norm_interval, at::ScalarType out_dtype) {
   auto [xsplit, wsplit] = split_fp32_for_fast_path(x, w);
   const at::Tensor& xin = xsplit.defined() ? xsplit : x;
   const at::Tensor& win = wsplit.defined() ? wsplit : w;
@@ -310,14 +301,35 @@ at::Tensor gemm_common_cpu(const at::Tensor& x, const at::Tensor& w, const c10::
   return out;
 }
 
+// Plans the call (csrc/gemm_plan.h) and runs the plan (csrc/gemm_execute.h).
+template <bool kFinalize>
+at::Tensor gemm_common_cpu(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                           int64_t norm_interval, at::ScalarType out_dtype, at::IntArrayRef options) {
+  check_gemm_args(x, w, bias);
+  const GemmOptions opt = checked_options(options);
+  if (kFinalize) out_format(out_dtype);  // a bad dtype fails here, before any route runs
+  const SliceBackend& slices = slice_backend_cpu();
+  GemmPlan plan = plan_for(x, w, slices.device, !kFinalize, opt, norm_interval == 0);
+  const LongAccGemm kernel = [&](const at::Tensor& xs, const at::Tensor& ws, const c10::optional<at::Tensor>& bs) {
+    return gemm_kernel_cpu<kFinalize>(xs, ws, bs, norm_interval, out_dtype);
+  };
+  return execute_gemm(&plan, x, w, bias, out_dtype, fp64_backend_cpu(), slices, kernel);
+}
+
 at::Tensor gemm_partial_cpu(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                            int64_t norm_interval, at::IntArrayRef plans) {
-  return gemm_common_cpu<false>(x, w, bias, norm_interval, at::kFloat, checked_plans(plans));
+                            int64_t norm_interval, at::IntArrayRef options) {
+  return gemm_common_cpu<false>(x, w, bias, norm_interval, at::kFloat, options);
 }
 
 at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                    c10::optional<at::ScalarType> out_dtype, at::IntArrayRef plans) {
-  return gemm_common_cpu<true>(x, w, bias, 0, out_dtype.value_or(at::kFloat), checked_plans(plans));
+                    c10::optional<at::ScalarType> out_dtype, at::IntArrayRef options) {
+  return gemm_common_cpu<true>(x, w, bias, 0, out_dtype.value_or(at::kFloat), options);
+}
+
+// The plan a gemm (digits false) / gemm_partial (true) call would run, as JSON (explain_gemm).
+std::string explain_gemm_cpu(const at::Tensor& x, const at::Tensor& w, bool digits, at::IntArrayRef options) {
+  check_gemm_args(x, w, c10::nullopt);
+  return plan_json(explain_gemm_plan(x, w, digits, checked_options(options), slice_backend_cpu()));
 }
 
 }  // namespace
@@ -325,6 +337,7 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& w, const c10::optiona
 TORCH_LIBRARY_IMPL(ldet, CPU, m) {
   m.impl("gemm_partial", &ldet::ieee_op<&gemm_partial_cpu>::call);
   m.impl("gemm", &ldet::ieee_op<&gemm_cpu>::call);
+  m.impl("explain_gemm", &explain_gemm_cpu);
 }
 
 }  // namespace ldet

@@ -110,13 +110,7 @@ at::Tensor row_needs_cpu(const at::Tensor& a, int64_t bits, at::Tensor& summary)
 // LIGHTNING_DET_CRT_SCALAR=1: the CRT way through crt.h's 32-bit per-element and per-output
 // forms (crt_remainder, crt_value), the arithmetic the CUDA kernels run, instead of the fp64
 // loops: the CPU tests then check that arithmetic too (tests/test_crt_route.py; slower).
-bool crt_scalar_forms() {
-  static const bool on = [] {
-    const char* env = std::getenv("LIGHTNING_DET_CRT_SCALAR");
-    return env != nullptr && std::string(env) == "1";
-  }();
-  return on;
-}
+bool crt_scalar_forms() { return gemm_env().crt_scalar; }
 
 SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64_t S, int64_t bits, bool reverse,
                              int64_t Kc, int64_t nch, int64_t Rp, bool residues, const at::Tensor& left,
@@ -252,13 +246,7 @@ bool plain_crt_row(const CombineView& v, int64_t m) {
 // LIGHTNING_DET_CRT_VECTOR_UNPROVEN=1: every lane of the vector form counts as unproven, so each
 // output takes the exact scalar form (crt_value) and the one-by-one finish: tests run that branch,
 // which real data reaches only within ~2^-40 M of the moduli's bound (crt_vector.h, step 2).
-bool crt_vector_unproven() {
-  static const bool on = [] {
-    const char* env = std::getenv("LIGHTNING_DET_CRT_VECTOR_UNPROVEN");
-    return env != nullptr && std::string(env) == "1";
-  }();
-  return on;
-}
+bool crt_vector_unproven() { return gemm_env().crt_vector_unproven; }
 
 // The residue terms and bias of eight outputs (m, n1 + j), j in `go`, added to T in units of
 // 2^Eu as finish_output_fast adds them (csrc/int_slices.h; the terms' order cannot matter: integer
@@ -483,11 +471,7 @@ std::shared_ptr<PendingSummary> summary_later_cpu(const at::Tensor& sums) {
 // keep such pairs below 2^15. Ask the GEMM itself once, with the largest magnitudes.
 int probe_bits() {
   // LIGHTNING_DET_SLICE_BITS=7 forces the 7-bit digits (tests run that branch on VNNI machines too).
-  if (const char* env = std::getenv("LIGHTNING_DET_SLICE_BITS")) {
-    TORCH_CHECK(std::string(env) == "7" || std::string(env) == "8",
-                "LIGHTNING_DET_SLICE_BITS: expected 7 or 8, got ", env);
-    if (std::string(env) == "7") return 7;
-  }
+  if (gemm_env().slice_bits == 7) return 7;
   const int64_t M = 32, K = 256, N = 32;
   at::Tensor a = at::full({M, K}, 127, at::kChar), b = at::full({K, N}, 127, at::kChar);
   a.narrow(0, 0, 8).fill_(-128);
@@ -506,25 +490,22 @@ constexpr bool kCpuVectorForms = false;
 #endif
 
 const SliceBackend& slice_backend_cpu() {
-  static const SliceBackend be{&row_needs_cpu, &make_slices_cpu, &combine_cpu, &int8_mm_aten, &exact_rows_cpu,
-                               &summary_later_cpu, probe_bits(),
-                               // fp32 from 32^3; 16-bit inputs: with the AVX-512 forms the CRT way beats
-                               // the kernel from ~128^3 (bf16 256^3 0.63 against 1.0 ms, 512^3 3.3 against
-                               // 5.5; a tie at 128^3); without them the kernel stayed
-                               // faster at every size measured (512^3 bf16: 8.6 ms against 16.6 ms)
-                               int64_t(1) << 15, kCpuVectorForms ? int64_t(1) << 21 : std::numeric_limits<int64_t>::max(),
-                               // a residue term: ~2 ns on one core, against ~300 G int8
-                               // multiply-adds a second on two
-                               2000.0, 0,
-                               // plans from this call's summaries: nothing to gain from guesses
-                               false,
-                               // the CRT route (crt.h): an output's reconstruction in int8 multiply-adds a
-                               // modulus beyond the diagonals' combine. With the AVX-512 forms the CRT way
-                               // took 0.26-0.45 of the diagonals' time on every shape measured, fp32 and
-                               // bf16, K = 64 included: 0, fewer GEMMs decide. The fp64
-                               // loops' fit: fp32 CRT at 0.71-0.78 of the diagonals for K >=
-                               // 256, 0.94 at K = 64; bf16 at 7 moduli for 9 pairs 0.95-1.13: 150
-                               true, kCpuVectorForms ? 0.0 : 150.0};
+  // The route's costs (when the slices pay, residue terms, the CRT way): csrc/gemm_plan.h.
+  static const SliceBackend be = [] {
+    SliceBackend b;
+    b.row_needs = &row_needs_cpu;
+    b.make_slices = &make_slices_cpu;
+    b.combine = &combine_cpu;
+    b.int8_mm = &int8_mm_aten;
+    b.exact_rows = &exact_rows_cpu;
+    b.summary_later = &summary_later_cpu;
+    b.bits = probe_bits();
+    b.chunk_max_outputs = 0;
+    b.guess_by_default = false;  // plans from this call's summaries: nothing to gain from guesses
+    b.crt_route = true;
+    b.device = kCpuVectorForms ? GemmDevice::kCpuAvx512 : GemmDevice::kCpu;
+    return b;
+  }();
   return be;
 }
 

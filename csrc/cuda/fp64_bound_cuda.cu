@@ -337,10 +337,16 @@ int64_t list_cap_cuda(int64_t outputs) { return outputs / 8 + 1024; }
 }  // namespace
 
 const Fp64Backend& fp64_backend_cuda() {
-  static const Fp64Backend be{&widen_cuda, &fp64_gemm_cuda, &decide_cuda, &fix_cuda, &list_cap_cuda,
-                              // rounded outputs with an fp32 operand from 2^30 multiply-adds
-                              // (where it beat the slices on Hopper; bf16/fp16 keep the slices)
-                              int64_t(1) << 30};
+  // When auto takes the route: csrc/gemm_plan.h's cost table.
+  static const Fp64Backend be = [] {
+    Fp64Backend b;
+    b.widen = &widen_cuda;
+    b.gemm = &fp64_gemm_cuda;
+    b.decide = &decide_cuda;
+    b.fix = &fix_cuda;
+    b.list_cap = &list_cap_cuda;
+    return b;
+  }();
   return be;
 }
 

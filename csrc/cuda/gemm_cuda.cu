@@ -29,13 +29,13 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <string>
 #include <type_traits>
 #include <utility>
 
 #include "gemm_common.h"
 #include "op_checks.h"
-#include "fp64_bound_host.h"
-#include "int_slices_host.h"
+#include "gemm_execute.h"
 #include "split.h"
 
 namespace ldet {
@@ -239,70 +239,113 @@ __device__ __forceinline__ double max_abs_bound(const double (&C)[N]) {
 // It costs 32 KiB more, so fp32 runs with one stage (101 KiB).
 constexpr int kStageDoubles = (BM + BN) * SK;  // one staged K-block of x and w
 
-template <typename T, bool kFinalize, bool kSShared, int kStages, bool kSegH = std::is_same<T, float>::value>
-__global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
-    gemm_kernel(const T* __restrict__ x, const T* __restrict__ w, const int32_t* __restrict__ xs,
-                const int32_t* __restrict__ ws, const double* __restrict__ bias, int64_t M, int64_t N, int64_t K,
-                int64_t nkb, int64_t interval, int64_t seg, bool vec_ok, int out_fmt, void* __restrict__ out_f,
-                int64_t* __restrict__ out_d) {
-  // Dynamic shared memory: kStages x (x block, w block) as fp64, then S (and H) when kSShared.
-  extern __shared__ __align__(16) double dyn_smem[];
-  auto xbuf = [&](int s) { return reinterpret_cast<double(*)[SK]>(dyn_smem + s * kStageDoubles); };
-  auto wbuf = [&](int s) { return reinterpret_cast<double(*)[SK]>(dyn_smem + s * kStageDoubles + BM * SK); };
-  __shared__ int32_t xst[kStages][BM], wst[kStages][BN];
+// Whether this device pass has fp64 MMA (sm_80+); without it every block goes output by output,
+// product by product.
+__device__ __forceinline__ constexpr bool fp64_mma_available() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return true;
+#else
+  return false;
+#endif
+}
+
+// One thread's part of a CTA's output tile, with the kernel's steps as member functions (all
+// inlined into gemm_kernel): stage (prefetch / stage_in: a K-block into shared memory with its
+// statistics), plan (block_on_mma: whether the block may go to the tensor cores), multiply
+// (mma_block, or block_by_output), combine (close_chunk, segment_edge) and fix-up (epilogue).
+//
+// Output o = (tm * TN + tn) * 2 + i sits at tile row wm + tm*8 + fr, column wn + tn*8 + 2*fc + i.
+// exact sum = S + C + digits. C lives in registers (the tensor cores' accumulators); S, touched
+// once per chunk, in dynamic shared memory (Ssh[o][thread]: conflict-free) where the GPU has
+// room for it, which keeps the registers below the spill limit.
+template <typename T, bool kFinalize, bool kSShared, int kStages, bool kSegH>
+struct GemmCta {
   // Per-thread-group reductions of the statistics, (hi, -lo) lanes: a thread's 4 rows are one
   // group (warp row half, fragment row), its 8 columns another (warp column half, fragment col).
-  __shared__ uint32_t rowgrp[kStages][2][8], colgrp[kStages][2][4];
+  struct Shared {
+    int32_t xst[kStages][BM], wst[kStages][BN];
+    uint32_t rowgrp[kStages][2][8], colgrp[kStages][2][4];
+  };
 
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int wm = (warp / 2) * WM, wn = (warp % 2) * WN;
-  const int64_t m0 = int64_t(blockIdx.y) * BM, n0 = int64_t(blockIdx.x) * BN;
-  const int fr = lane / 4, fc = lane % 4;  // fragment row g / column t of the MMA tiles
+  const T* __restrict__ x;
+  const T* __restrict__ w;
+  const int32_t* __restrict__ xs;
+  const int32_t* __restrict__ ws;
+  int64_t M, N, K, interval;
+  bool vec_ok;
+  double* dyn_smem;  // kStages x (x block, w block) as fp64, then S (and H) when kSShared
+  Shared& sh;
 
-  // Output o = (tm * TN + tn) * 2 + i sits at tile row wm + tm*8 + fr, column wn + tn*8 + 2*fc + i.
-  // exact sum = S + C + digits. C lives in registers (the tensor cores' accumulators); S, touched
-  // once per chunk, in dynamic shared memory (Ssh[o][thread]: conflict-free) where the GPU has
-  // room for it, which keeps the registers below the spill limit.
-  double* Ssh = dyn_smem + kStages * kStageDoubles;
+  int lane, warp, wm, wn, fr, fc;  // fragment row g / column t of the MMA tiles
+  int64_t m0, n0;
+
   double Sown[kSShared ? 1 : NOUT], Hown[kSShared || !kSegH ? 1 : NOUT];
-  auto S = [&](int o) -> double& {
-    if constexpr (kSShared) {
-      return Ssh[o * THREADS + threadIdx.x];
-    } else {
-      return Sown[o];
-    }
-  };
-  auto H = [&](int o) -> double& {  // only with kSegH
-    if constexpr (kSShared) {
-      return Ssh[(NOUT + o) * THREADS + threadIdx.x];
-    } else {
-      return Hown[kSegH ? o : 0];
-    }
-  };
   double C[NOUT];
   int64_t dig[NOUT][LDET_WORDS + 1];  // local memory: digits + addition counter, zeroed lazily
   uint32_t touched = 0;
-#pragma unroll
-  for (int o = 0; o < NOUT; ++o) {
-    S(o) = C[o] = 0.0;
-    if constexpr (kSegH) H(o) = 0.0;
-  }
-  double Cb = 0.0;   // >= max |C[o]| of this thread
-  int Lc = kNoLow;   // every C[o] is a multiple of 2^Lc
+  double Cb = 0.0;  // >= max |C[o]| of this thread
+  int Lc = kNoLow;  // every C[o] is a multiple of 2^Lc
 
-  auto digits = [&](int o) -> int64_t* {
+  Stager<T> sx, sw;
+  int32_t st = 0;  // thread t < 64: row t's statistic; 64 <= t < 128: column t - 64's
+
+  static_assert(BM + BN == THREADS && BM == 64 && BN == 64, "one statistic per thread; warps 0-1 rows, 2-3 columns");
+
+  __device__ __forceinline__ GemmCta(const T* x_, const T* w_, const int32_t* xs_, const int32_t* ws_, int64_t M_,
+                                     int64_t N_, int64_t K_, int64_t interval_, bool vec_ok_, double* smem,
+                                     Shared& shared)
+      : x(x_), w(w_), xs(xs_), ws(ws_), M(M_), N(N_), K(K_), interval(interval_), vec_ok(vec_ok_), dyn_smem(smem),
+        sh(shared) {
+    lane = threadIdx.x % 32;
+    warp = threadIdx.x / 32;
+    wm = (warp / 2) * WM;
+    wn = (warp % 2) * WN;
+    m0 = int64_t(blockIdx.y) * BM;
+    n0 = int64_t(blockIdx.x) * BN;
+    fr = lane / 4;
+    fc = lane % 4;
+#pragma unroll
+    for (int o = 0; o < NOUT; ++o) {
+      S(o) = C[o] = 0.0;
+      if constexpr (kSegH) H(o) = 0.0;
+    }
+  }
+
+  __device__ __forceinline__ double (*xbuf(int s))[SK] {
+    return reinterpret_cast<double(*)[SK]>(dyn_smem + s * kStageDoubles);
+  }
+  __device__ __forceinline__ double (*wbuf(int s))[SK] {
+    return reinterpret_cast<double(*)[SK]>(dyn_smem + s * kStageDoubles + BM * SK);
+  }
+  __device__ __forceinline__ double& S(int o) {
+    if constexpr (kSShared) {
+      return dyn_smem[kStages * kStageDoubles + o * THREADS + threadIdx.x];
+    } else {
+      return Sown[o];
+    }
+  }
+  __device__ __forceinline__ double& H(int o) {  // only with kSegH
+    if constexpr (kSShared) {
+      return dyn_smem[kStages * kStageDoubles + (NOUT + o) * THREADS + threadIdx.x];
+    } else {
+      return Hown[kSegH ? o : 0];
+    }
+  }
+
+  __device__ __forceinline__ int64_t* digits(int o) {
     if (!(touched & (1u << o))) {
       touched |= 1u << o;
       zero_digits(dig[o]);
     }
     return dig[o];
-  };
-  auto add_term = [&](int o, double t) {  // acc_term with lazily zeroed digits
+  }
+  __device__ __forceinline__ void add_term(int o, double t) {  // acc_term with lazily zeroed digits
     double e;
     S(o) = two_sum(S(o), t, &e);
     if (e != 0.0) add_error(digits(o), e, interval);
-  };
-  auto close_chunk = [&]() {  // S += C (TwoSum, exact with the digits); the next chunk starts at 0
+  }
+  // Combine: S += C (TwoSum, exact with the digits); the next chunk starts at 0.
+  __device__ __forceinline__ void close_chunk() {
 #pragma unroll
     for (int o = 0; o < NOUT; ++o) {
       add_term(o, C[o]);
@@ -310,9 +353,9 @@ __global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
     }
     Cb = 0.0;
     Lc = kNoLow;
-  };
+  }
   // One m16n8k8 tile (mt, nt) over the staged K-block, added into the accumulators c.
-  auto mma_tile = [&](double (&c)[4], int mt, int nt, double (*xsh)[SK], double (*wsh)[SK]) {
+  __device__ __forceinline__ void mma_tile(double (&c)[4], int mt, int nt, double (*xsh)[SK], double (*wsh)[SK]) {
 #pragma unroll
     for (int k8 = 0; k8 < BK; k8 += 8) {
       double a[4], b[2];
@@ -322,59 +365,51 @@ __global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
       for (int q = 0; q < 2; ++q) b[q] = wsh[wn + nt * 8 + fr][k8 + q * 4 + fc];
       mma_16x8x8(c, a, b);
     }
-  };
+  }
 
-  Stager<T> sx, sw;
-  int32_t st = 0;  // thread t < 64: row t's statistic; 64 <= t < 128: column t - 64's
-  auto prefetch = [&](int64_t kb) {
+  // Stage: block kb's operands into registers (in flight while the previous block computes) and
+  // this thread's statistic.
+  __device__ __forceinline__ void prefetch(int64_t kb) {
     sx.load(x, M, K, m0, kb * BK, vec_ok);
     sw.load(w, N, K, n0, kb * BK, vec_ok);
     const int t = threadIdx.x;
     if (t < BM) st = (m0 + t < M) ? xs[kb * M + m0 + t] : pack_stat(kStatEmpty, 0);
     else st = (n0 + t - BM < N) ? ws[kb * N + n0 + t - BM] : pack_stat(kStatEmpty, 0);
-  };
-  static_assert(BM + BN == THREADS && BM == 64 && BN == 64, "one statistic per thread; warps 0-1 rows, 2-3 columns");
+  }
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  constexpr bool mma_ok = true;
-#else
-  constexpr bool mma_ok = false;  // no fp64 MMA: every block goes output by output, product by product
-#endif
-
-  // The prefetched block (registers) into stage s, with its statistics and their group maxima.
-  auto stage_in = [&](int s) {
+  // Stage: the prefetched block (registers) into stage s, with its statistics and their group maxima.
+  __device__ __forceinline__ void stage_in(int s) {
     sx.store(xbuf(s));
     sw.store(wbuf(s));
     // Rows: lane = fr + 8 tm (reduce over lane bits 3, 4). Columns: lane = 8 jj + 2 fc + i
     // (reduce over bits 0, 3, 4). Warps 0-1 hold rows, 2-3 columns: the branch is per warp.
-    if (warp < 2) xst[s][threadIdx.x] = st;
-    else wst[s][threadIdx.x - BM] = st;
+    if (warp < 2) sh.xst[s][threadIdx.x] = st;
+    else sh.wst[s][threadIdx.x - BM] = st;
     uint32_t v = stat_maxable(st);
     v = __vmaxs2(v, __shfl_xor_sync(0xffffffffu, v, 8));
     v = __vmaxs2(v, __shfl_xor_sync(0xffffffffu, v, 16));
     if (warp >= 2) v = __vmaxs2(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    if (warp < 2 && lane < 8) rowgrp[s][warp][lane] = v;
-    if (warp >= 2 && lane < 8 && !(lane & 1)) colgrp[s][warp - 2][lane >> 1] = v;
-  };
+    if (warp < 2 && lane < 8) sh.rowgrp[s][warp][lane] = v;
+    if (warp >= 2 && lane < 8 && !(lane & 1)) sh.colgrp[s][warp - 2][lane >> 1] = v;
+  }
 
-  prefetch(0);
-  stage_in(0);
-  __syncthreads();
-  for (int64_t kb = 0; kb < nkb; ++kb) {
-    const int s = kStages == 2 ? int(kb & 1) : 0;
-    double(*xsh)[SK] = xbuf(s);
-    double(*wsh)[SK] = wbuf(s);
-    if (kb + 1 < nkb) prefetch(kb + 1);  // in flight while this block is computed
-
-    const uint32_t rg = rowgrp[s][warp / 2][fr], cg = colgrp[s][warp % 2][fc];
+  // Plan, per K-block: whether the whole warp adds stage s's block straight into C on the tensor
+  // cores (warp-uniform; may close this thread's chunk first so the block fits). Sets the block's
+  // bound Bb, lowest bit bL and emptiness for mma_block.
+  __device__ __forceinline__ bool block_on_mma(int s, double* Bb, int* bL, bool* empty) {
+    const uint32_t rg = sh.rowgrp[s][warp / 2][fr], cg = sh.colgrp[s][warp % 2][fc];
     const int rh = int(int16_t(rg >> 16)), ch = int(int16_t(cg >> 16));
     const bool special = rh == kStatSpecial || ch == kStatSpecial;
-    const bool empty = rh == kStatEmpty || ch == kStatEmpty;  // every product of this thread is 0
-    const int bL = -(int(int16_t(rg & 0xffffu)) + int(int16_t(cg & 0xffffu)));
+    *empty = rh == kStatEmpty || ch == kStatEmpty;  // every product of this thread is 0
+    *bL = -(int(int16_t(rg & 0xffffu)) + int(int16_t(cg & 0xffffu)));
     static_assert(BK == 32, "Bb's 2^(2+5): |x| < 2^(hi+1), |w| < 2^(hi+1), 32 products");
-    const double Bb = empty ? 0.0 : pow2(rh + ch + 2 + 5);
-    auto fits = [&]() { return empty || __dadd_ru(Cb, Bb) <= pow2(min(Lc, bL) + 53); };
-    const bool alone = !special && (empty || Bb <= pow2(bL + 53));  // the block by itself is exact
+    *Bb = *empty ? 0.0 : pow2(rh + ch + 2 + 5);
+    const double bb = *Bb;
+    const int bl = *bL;
+    const bool emp = *empty;
+    auto fits = [&]() { return emp || __dadd_ru(Cb, bb) <= pow2(min(Lc, bl) + 53); };
+    const bool alone = !special && (emp || bb <= pow2(bl + 53));  // the block by itself is exact
+    constexpr bool mma_ok = fp64_mma_available();
     bool ok = mma_ok && alone && fits();
     bool all_ok = __all_sync(0xffffffffu, ok);
     if (mma_ok && !all_ok) {  // warp-uniform
@@ -385,109 +420,150 @@ __global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
       }
       all_ok = __all_sync(0xffffffffu, ok);
     }
-    if (all_ok) {
-      // Every partial sum is exact: the tensor cores add the block straight into C. k8 outer,
-      // so each fragment is loaded from shared memory once per block.
+    return all_ok;
+  }
+
+  // Multiply: every partial sum is exact, so the tensor cores add the block straight into C.
+  // k8 outer, so each fragment is loaded from shared memory once per block.
+  __device__ __forceinline__ void mma_block(double (*xsh)[SK], double (*wsh)[SK], double Bb, int bL, bool empty) {
 #pragma unroll
-      for (int k8 = 0; k8 < BK; k8 += 8) {
-        double a[2][4], b[TN][2];
+    for (int k8 = 0; k8 < BK; k8 += 8) {
+      double a[2][4], b[TN][2];
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+      for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-          for (int q = 0; q < 4; ++q) a[mt][q] = xsh[wm + mt * 16 + (q % 2) * 8 + fr][k8 + (q / 2) * 4 + fc];
+        for (int q = 0; q < 4; ++q) a[mt][q] = xsh[wm + mt * 16 + (q % 2) * 8 + fr][k8 + (q / 2) * 4 + fc];
 #pragma unroll
-        for (int nt = 0; nt < TN; ++nt)
+      for (int nt = 0; nt < TN; ++nt)
 #pragma unroll
-          for (int q = 0; q < 2; ++q) b[nt][q] = wsh[wn + nt * 8 + fr][k8 + q * 4 + fc];
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-          for (int nt = 0; nt < TN; ++nt) {
-            // Tile (mt, nt)'s accumulator i is output (row slot 2 mt + i/2, column slot 2 nt + i%2).
-            double c[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) c[i] = C[(mt * 2 + i / 2) * (TN * 2) + nt * 2 + i % 2];
-            mma_16x8x8(c, a[mt], b[nt]);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) C[(mt * 2 + i / 2) * (TN * 2) + nt * 2 + i % 2] = c[i];
-          }
-      }
-      if (!empty) {
-        Cb = __dadd_ru(Cb, Bb);
-        Lc = min(Lc, bL);
-      }
-    } else {
-      // Output by output into S, as in v2 (C is untouched): each MMA tile's block sums from
-      // zero, then per output the pair's own statistics choose between a TwoSum of the block
-      // sum and product by product.
+        for (int q = 0; q < 2; ++q) b[nt][q] = wsh[wn + nt * 8 + fr][k8 + q * 4 + fc];
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int nt = 0; nt < TN; ++nt) {
-          double c[4] = {0.0, 0.0, 0.0, 0.0};
-          mma_tile(c, mt, nt, xsh, wsh);  // the whole warp, whatever each thread then does with it
+          // Tile (mt, nt)'s accumulator i is output (row slot 2 mt + i/2, column slot 2 nt + i%2).
+          double c[4];
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int tm = mt * 2 + i / 2, j = nt * 2 + i % 2, o = tm * (TN * 2) + j;
-            const int32_t rs = xst[s][wm + tm * 8 + fr], cs = wst[s][wn + nt * 8 + 2 * fc + i % 2];
-            BlockPath path = block_path(rs, cs);
-            if (path == kPathSkip) continue;
-            if (path == kPathFast && !mma_ok) path = kPathExact;
-            if (path == kPathFast) {
-              add_term(o, c[i]);
-            } else {
-              S(o) = exact_block(S(o), digits(o), xsh[wm + tm * 8 + fr], wsh[wn + nt * 8 + 2 * fc + i % 2],
-                                 interval);
-            }
+          for (int i = 0; i < 4; ++i) c[i] = C[(mt * 2 + i / 2) * (TN * 2) + nt * 2 + i % 2];
+          mma_16x8x8(c, a[mt], b[nt]);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) C[(mt * 2 + i / 2) * (TN * 2) + nt * 2 + i % 2] = c[i];
+        }
+    }
+    if (!empty) {
+      Cb = __dadd_ru(Cb, Bb);
+      Lc = min(Lc, bL);
+    }
+  }
+
+  // Multiply, output by output into S (C is untouched): each MMA tile's block sums from zero, then
+  // per output the pair's own statistics choose between a TwoSum of the block sum and product by
+  // product.
+  __device__ __forceinline__ void block_by_output(int s, double (*xsh)[SK], double (*wsh)[SK]) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < TN; ++nt) {
+        double c[4] = {0.0, 0.0, 0.0, 0.0};
+        mma_tile(c, mt, nt, xsh, wsh);  // the whole warp, whatever each thread then does with it
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int tm = mt * 2 + i / 2, j = nt * 2 + i % 2, o = tm * (TN * 2) + j;
+          const int32_t rs = sh.xst[s][wm + tm * 8 + fr], cs = sh.wst[s][wn + nt * 8 + 2 * fc + i % 2];
+          BlockPath path = block_path(rs, cs);
+          if (path == kPathSkip) continue;
+          if (path == kPathFast && !fp64_mma_available()) path = kPathExact;
+          if (path == kPathFast) {
+            add_term(o, c[i]);
+          } else {
+            S(o) = exact_block(S(o), digits(o), xsh[wm + tm * 8 + fr], wsh[wn + nt * 8 + 2 * fc + i % 2], interval);
           }
         }
-    }
-    // Segment edge of the fp32 split (x' = [xh|xh|xl|xl]): the products' scales drop by 2^17
-    // (kSplitBits) per piece, so the chunk closes and S leaves: into H (kSegH: H + S by TwoSum,
-    // S restarts at the rounding error) or into the digits (exact), and restarts small;
-    // otherwise the lo-lo segment's low bits would not fit beside the hi-hi magnitude of S.
-    if (seg > 0 && ((kb + 1) * BK) / seg != (kb * BK) / seg) {
-      close_chunk();
+      }
+  }
+
+  // Combine at a segment edge of the fp32 split (x' = [xh|xh|xl|xl]): the products' scales drop
+  // by 2^17 (kSplitBits) per piece, so the chunk closes and S leaves: into H (kSegH: H + S by
+  // TwoSum, S restarts at the rounding error) or into the digits (exact), and restarts small;
+  // otherwise the lo-lo segment's low bits would not fit beside the hi-hi magnitude of S.
+  __device__ __forceinline__ void segment_edge() {
+    close_chunk();
 #pragma unroll
-      for (int o = 0; o < NOUT; ++o) {
-        if constexpr (kSegH) {
-          double e;
-          H(o) = two_sum(H(o), S(o), &e);
-          S(o) = e;
-        } else if (S(o) != 0.0) {
-          add_error(digits(o), S(o), interval);
-          S(o) = 0.0;
-        }
+    for (int o = 0; o < NOUT; ++o) {
+      if constexpr (kSegH) {
+        double e;
+        H(o) = two_sum(H(o), S(o), &e);
+        S(o) = e;
+      } else if (S(o) != 0.0) {
+        add_error(digits(o), S(o), interval);
+        S(o) = 0.0;
       }
     }
+  }
+
+  // Fix-up: each output's rounding (straight from the exact pair H + S + bias when no digit was
+  // needed and the output is fp32), else the digits' (finish_output).
+  __device__ __forceinline__ void epilogue(const double* __restrict__ bias, int out_fmt, void* __restrict__ out_f,
+                                           int64_t* __restrict__ out_d) {
+#pragma unroll
+    for (int o = 0; o < NOUT; ++o) {
+      const int tm = o / (TN * 2), j = o % (TN * 2);
+      const int64_t gm = m0 + wm + tm * 8 + fr, gn = n0 + wn + (j / 2) * 8 + 2 * fc + (j % 2);
+      if (gm >= M || gn >= N) continue;
+      const bool was_touched = (touched >> o) & 1u;
+      const double h = kSegH ? H(o) : 0.0;
+      if (kFinalize && out_fmt == kFmtF32 && !was_touched) {
+        // No digit was needed: the exact sum is H + S + bias. When the TwoSum chain proves it an
+        // exact pair hi + lo, round_pair_to_fp32 rounds it as finalize_fp32 would (as on the CPU).
+        const double v[3] = {h, S(o), bias ? bias[gn] : 0.0};
+        double hi, lo;
+        float f;
+        if (is_finite(v[2]) && exact_pair_sum(v, 3, &hi, &lo) && round_pair_to_fp32(hi, lo, &f)) {
+          static_cast<float*>(out_f)[gm * N + gn] = f;
+          continue;
+        }
+      }
+      finish_output<kFinalize>(S(o), h, dig[o], was_touched, bias, gn, interval, gm * N + gn, out_fmt, out_f, out_d);
+    }
+  }
+};
+
+template <typename T, bool kFinalize, bool kSShared, int kStages, bool kSegH = std::is_same<T, float>::value>
+__global__ void __launch_bounds__(THREADS, LDET_GEMM_MIN_BLOCKS)
+    gemm_kernel(const T* __restrict__ x, const T* __restrict__ w, const int32_t* __restrict__ xs,
+                const int32_t* __restrict__ ws, const double* __restrict__ bias, int64_t M, int64_t N, int64_t K,
+                int64_t nkb, int64_t interval, int64_t seg, bool vec_ok, int out_fmt, void* __restrict__ out_f,
+                int64_t* __restrict__ out_d) {
+  extern __shared__ __align__(16) double dyn_smem[];
+  using Cta = GemmCta<T, kFinalize, kSShared, kStages, kSegH>;
+  __shared__ typename Cta::Shared shared;
+  Cta cta(x, w, xs, ws, M, N, K, interval, vec_ok, dyn_smem, shared);
+
+  cta.prefetch(0);
+  cta.stage_in(0);
+  __syncthreads();
+  for (int64_t kb = 0; kb < nkb; ++kb) {
+    const int s = kStages == 2 ? int(kb & 1) : 0;
+    double(*xsh)[SK] = cta.xbuf(s);
+    double(*wsh)[SK] = cta.wbuf(s);
+    if (kb + 1 < nkb) cta.prefetch(kb + 1);  // in flight while this block is computed
+    double Bb;
+    int bL;
+    bool empty;
+    if (cta.block_on_mma(s, &Bb, &bL, &empty)) {
+      cta.mma_block(xsh, wsh, Bb, bL, empty);
+    } else {
+      cta.block_by_output(s, xsh, wsh);
+    }
+    if (seg > 0 && ((kb + 1) * BK) / seg != (kb * BK) / seg) cta.segment_edge();
     if (kb + 1 < nkb) {
       if (kStages == 1) __syncthreads();  // every warp is done with the one stage
-      stage_in(kStages == 2 ? s ^ 1 : 0);  // with 2 stages, the one read in the previous block
+      cta.stage_in(kStages == 2 ? s ^ 1 : 0);  // with 2 stages, the one read in the previous block
     }
     __syncthreads();
   }
-  close_chunk();
-
-#pragma unroll
-  for (int o = 0; o < NOUT; ++o) {
-    const int tm = o / (TN * 2), j = o % (TN * 2);
-    const int64_t gm = m0 + wm + tm * 8 + fr, gn = n0 + wn + (j / 2) * 8 + 2 * fc + (j % 2);
-    if (gm >= M || gn >= N) continue;
-    const bool was_touched = (touched >> o) & 1u;
-    const double h = kSegH ? H(o) : 0.0;
-    if (kFinalize && out_fmt == kFmtF32 && !was_touched) {
-      // No digit was needed: the exact sum is H + S + bias. When the TwoSum chain proves it an
-      // exact pair hi + lo, round_pair_to_fp32 rounds it as finalize_fp32 would (as on the CPU).
-      const double v[3] = {h, S(o), bias ? bias[gn] : 0.0};
-      double hi, lo;
-      float f;
-      if (is_finite(v[2]) && exact_pair_sum(v, 3, &hi, &lo) && round_pair_to_fp32(hi, lo, &f)) {
-        static_cast<float*>(out_f)[gm * N + gn] = f;
-        continue;
-      }
-    }
-    finish_output<kFinalize>(S(o), h, dig[o], was_touched, bias, gn, interval, gm * N + gn, out_fmt, out_f, out_d);
-  }
+  cta.close_chunk();
+  cta.epilogue(bias, out_fmt, out_f, out_d);
 }
 
 // The shared-memory facts a launch needs never change for a (device, kernel), but querying
@@ -590,27 +666,11 @@ void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& xs, cons
               "det_gemm: this GPU's per-block shared memory (", optin, " bytes) is below the kernel's ", kStageBytes);
 }
 
+// The long-accumulator kernel (csrc/gemm_common.h): the kernel route, and the rows the slices
+// cannot hold.
 template <bool kFinalize>
-at::Tensor gemm_common_cuda(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias,
-                            int64_t norm_interval, at::ScalarType out_dtype, const std::array<int64_t, 2>& plans,
-                            bool allow_slices = true) {
-  check_gemm_args(x_in, w_in, bias);
-  TORCH_CHECK(x_in.device() == w_in.device(), "w: expected device ", x_in.device(), " to match x, got ", w_in.device());
-  if (bias.has_value())
-    TORCH_CHECK(bias->device() == x_in.device(), "bias: expected device ", x_in.device(), ", got ", bias->device());
-  c10::cuda::CUDAGuard guard(x_in.device());
-  if (allow_slices && norm_interval == 0) {
-    if (kFinalize) {  // rounded outputs: the fp64 route first (fp64_bound_host.h)
-      const at::Tensor r = gemm_fp64_bound(x_in, w_in, bias, out_dtype, fp64_backend_cuda());
-      if (r.defined()) return r;
-    }
-    const at::Tensor r = gemm_int_slices(
-        x_in, w_in, bias, !kFinalize, out_dtype, plans, slice_backend_cuda(),
-        [&](const at::Tensor& xs, const at::Tensor& ws, const c10::optional<at::Tensor>& bs) {
-          return gemm_common_cuda<kFinalize>(xs, ws, bs, 0, out_dtype, plans, false);
-        });
-    if (r.defined()) return r;
-  }
+at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias,
+                            int64_t norm_interval, at::ScalarType out_dtype) {
   // Mixed input dtypes: widen both to fp32 (exact), so one kernel type serves.
   at::Tensor x = x_in, w = w_in;
   if (x.scalar_type() != w.scalar_type()) {
@@ -651,14 +711,45 @@ at::Tensor gemm_common_cuda(const at::Tensor& x_in, const at::Tensor& w_in, cons
   return out;
 }
 
+void check_gemm_devices(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device() == w.device(), "w: expected device ", x.device(), " to match x, got ", w.device());
+  if (bias.has_value())
+    TORCH_CHECK(bias->device() == x.device(), "bias: expected device ", x.device(), ", got ", bias->device());
+}
+
+// Plans the call (csrc/gemm_plan.h) and runs the plan (csrc/gemm_execute.h).
+template <bool kFinalize>
+at::Tensor gemm_common_cuda(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                            int64_t norm_interval, at::ScalarType out_dtype, at::IntArrayRef options) {
+  check_gemm_args(x, w, bias);
+  check_gemm_devices(x, w, bias);
+  const GemmOptions opt = checked_options(options);
+  if (kFinalize) out_format(out_dtype);  // a bad dtype fails here, before any route runs
+  c10::cuda::CUDAGuard guard(x.device());
+  const SliceBackend& slices = slice_backend_cuda();
+  GemmPlan plan = plan_for(x, w, slices.device, !kFinalize, opt, norm_interval == 0);
+  const LongAccGemm kernel = [&](const at::Tensor& xs, const at::Tensor& ws, const c10::optional<at::Tensor>& bs) {
+    return gemm_kernel_cuda<kFinalize>(xs, ws, bs, norm_interval, out_dtype);
+  };
+  return execute_gemm(&plan, x, w, bias, out_dtype, fp64_backend_cuda(), slices, kernel);
+}
+
 at::Tensor gemm_partial_cuda(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                             int64_t norm_interval, at::IntArrayRef plans) {
-  return gemm_common_cuda<false>(x, w, bias, norm_interval, at::kFloat, checked_plans(plans));
+                             int64_t norm_interval, at::IntArrayRef options) {
+  return gemm_common_cuda<false>(x, w, bias, norm_interval, at::kFloat, options);
 }
 
 at::Tensor gemm_cuda(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                     c10::optional<at::ScalarType> out_dtype, at::IntArrayRef plans) {
-  return gemm_common_cuda<true>(x, w, bias, 0, out_dtype.value_or(at::kFloat), checked_plans(plans));
+                     c10::optional<at::ScalarType> out_dtype, at::IntArrayRef options) {
+  return gemm_common_cuda<true>(x, w, bias, 0, out_dtype.value_or(at::kFloat), options);
+}
+
+// The plan a gemm (digits false) / gemm_partial (true) call would run, as JSON (explain_gemm).
+std::string explain_gemm_cuda(const at::Tensor& x, const at::Tensor& w, bool digits, at::IntArrayRef options) {
+  check_gemm_args(x, w, c10::nullopt);
+  check_gemm_devices(x, w, c10::nullopt);
+  c10::cuda::CUDAGuard guard(x.device());
+  return plan_json(explain_gemm_plan(x, w, digits, checked_options(options), slice_backend_cuda()));
 }
 
 }  // namespace
@@ -666,6 +757,7 @@ at::Tensor gemm_cuda(const at::Tensor& x, const at::Tensor& w, const c10::option
 TORCH_LIBRARY_IMPL(ldet, CUDA, m) {
   m.impl("gemm_partial", &gemm_partial_cuda);
   m.impl("gemm", &gemm_cuda);
+  m.impl("explain_gemm", &explain_gemm_cuda);
 }
 
 }  // namespace ldet

@@ -137,10 +137,7 @@ cublasStatus_t run(const LtPlan& p, const cublasLtMatmulAlgo_t* algo, const LtAr
 // A guess at why, not measured: the timing reruns the same operands, which then sit in L2,
 // unlike a step's.
 void tune(LtPlan& p, const LtArgs& g, cudaStream_t stream) {
-  static const bool enabled = [] {
-    const char* env = std::getenv("LIGHTNING_DET_INT8_GEMM_TUNE");
-    return env != nullptr && std::string(env) == "1";
-  }();
+  const bool enabled = gemm_env().int8_gemm_tune;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (!enabled || g.kind != kLtInt8 || p.n_candidates < 2 || cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
       capture != cudaStreamCaptureStatusNone)
@@ -170,13 +167,7 @@ void tune(LtPlan& p, const LtArgs& g, cudaStream_t stream) {
   if (best_i >= 0) p.algo = p.candidates[best_i];
 }
 
-bool use_torch_route() {
-  static const bool torch_route = [] {
-    const char* env = std::getenv("LIGHTNING_DET_INT8_GEMM");
-    return env != nullptr && std::string(env) == "torch";
-  }();
-  return torch_route;
-}
+bool use_torch_route() { return gemm_env().int8_gemm_torch; }
 
 }  // namespace
 

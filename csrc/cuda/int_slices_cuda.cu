@@ -585,26 +585,26 @@ std::shared_ptr<PendingSummary> summary_later_cuda(const at::Tensor& sums) {
 }  // namespace
 
 const SliceBackend& slice_backend_cuda() {
-  // cuBLASLt's int8 GEMM accumulates in int32 with no 16-bit intermediate: 8-bit digits.
-  static const SliceBackend be{&row_needs_cuda, &make_slices_cuda, &combine_cuda, &int8_gemm_lt, &exact_rows_cuda,
-                               &summary_later_cuda, 8,
-                               // bf16 at 1024^3: kernel 0.52x, slices 0.14x torch.mm fp32 (fixed costs);
-                               // at 4096^3: 0.57x against 0.68x
-                               int64_t(1) << 18, int64_t(1) << 34,
-                               // a residue term (~10 instructions, scattered reads) against ~10^15
-                               // int8 multiply-adds a second
-                               10000.0,
-                               // cuBLASLt's sm90 int8 kernels: chunks 8 (mod 16) wide, <= 2^23 outputs
-                               int64_t(1) << 23,
-                               // plans from each call's summaries: cached guesses (no host
-                               // synchronization per GEMM) measured no faster in the det_ddp step,
-                               // which is host-bound, and a stale guess costs a slow call;
-                               // a call's plans argument (-2, -2) turns them on
-                               false,
-                               // the CRT way (crt.h): only where a path forces it. At 4096^3 it ties
-                               // the diagonals on fp32 and is slower on bf16 (8 moduli for 9 pairs);
-                               // its GEMMs run at K, the diagonals' at up to 5 K
-                               true, std::numeric_limits<double>::infinity()};
+  // The route's costs (when the slices pay, residue terms, the CRT way): csrc/gemm_plan.h.
+  static const SliceBackend be = [] {
+    SliceBackend b;
+    b.row_needs = &row_needs_cuda;
+    b.make_slices = &make_slices_cuda;
+    b.combine = &combine_cuda;
+    b.int8_mm = &int8_gemm_lt;
+    b.exact_rows = &exact_rows_cuda;
+    b.summary_later = &summary_later_cuda;
+    b.bits = 8;  // cuBLASLt's int8 GEMM accumulates in int32 with no 16-bit intermediate
+    // cuBLASLt's sm90 int8 kernels: chunks 8 (mod 16) wide, <= 2^23 outputs
+    b.chunk_max_outputs = int64_t(1) << 23;
+    // plans from each call's summaries: cached guesses (no host synchronization per GEMM)
+    // measured no faster in the det_ddp step, which is host-bound, and a stale guess costs a slow
+    // call; a call's plans argument (-2, -2) turns them on
+    b.guess_by_default = false;
+    b.crt_route = true;
+    b.device = GemmDevice::kCuda;
+    return b;
+  }();
   return be;
 }
 

@@ -2,41 +2,27 @@
 #include <torch/library.h>
 
 #include <array>
-#include <atomic>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
-#include "fp64_bound_host.h"
-#include "int_slices_host.h"
+#include "gemm_execute.h"
 
 namespace ldet {
-namespace {
-std::atomic<int> g_gemm_path{kPathAuto};
 
-// Sets the route every gemm / gemm_partial takes from now on (0 auto, 1 the long-accumulator
-// kernel only, 2 the integer slices wherever they apply, 3 / 4 the slices with their diagonals /
-// CRT remainders forced: int_slices_host.h; 5 the fp64 route for rounded outputs:
-// fp64_bound_host.h); returns the previous one. Every route gives the same bytes: the switch
-// exists for tests and benchmarks.
-int64_t set_gemm_path(int64_t path) {
-  TORCH_CHECK(path >= kPathAuto && path <= kPathFp64,
-              "path: expected 0 (auto), 1 (kernel), 2 (slices), 3 (slices, diagonals), 4 (slices, CRT) or 5 (fp64), "
-              "got ", path);
-  return g_gemm_path.exchange(int(path));
+GemmOptions checked_options(at::IntArrayRef options) {
+  try {
+    return parse_gemm_options(options.data(), options.size());
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  return GemmOptions();  // not reached: the check throws
 }
 
-}  // namespace
-
-std::array<int64_t, 2> checked_plans(at::IntArrayRef plans) {
-  TORCH_CHECK(plans.size() == 2, "plans: expected two integers, got ", plans.size());
-  const int64_t sx = plans[0], sw = plans[1];
-  const bool mode = (sx == sw) && (sx == -1 || sx == -2 || sx == 0);
-  const bool fixed = sx >= 1 && sx <= kSliceMax && sw >= 1 && sw <= kSliceMax;
-  TORCH_CHECK(mode || fixed, "plans: expected (-1, -1) the default, (-2, -2) cached guesses, (0, 0) no "
-              "guess, or slice counts in [1, ", kSliceMax, "], got (", sx, ", ", sw, ")");
-  return {sx, sw};
+GemmPlan& last_gemm_plan() {
+  thread_local GemmPlan plan;
+  return plan;
 }
-
-int gemm_path() { return g_gemm_path.load(std::memory_order_relaxed); }
 
 std::array<int64_t, 7>& last_slices_plan() {
   thread_local std::array<int64_t, 7> plan{};
@@ -61,6 +47,8 @@ std::vector<int64_t> last_slices_plan_op() {
   const auto& p = last_slices_plan();
   return std::vector<int64_t>(p.begin(), p.end());
 }
+
+std::string last_gemm_plan_op() { return plan_json(last_gemm_plan()); }
 }  // namespace
 }  // namespace ldet
 
@@ -70,15 +58,21 @@ TORCH_LIBRARY_FRAGMENT(ldet, m) {
   // Returns canonical digits (M, N, 19) int64 of sum_k x[m,k] * w[n,k] (+ bias[n]), exactly.
   // norm_interval: digit additions between normalizations; 0 = the production bound. Tests
   // lower it to force the normalization path (the result must not change).
-  // plans: how the integer-slice route plans this call (csrc/int_slices_host.h, "Guessed plans"):
-  // (-1, -1) the device's default, (-2, -2) cached guesses, (0, 0) from this call's summaries,
-  // (Sx, Sw) that fixed guess. Every setting gives the same bytes.
-  m.def("gemm_partial(Tensor x, Tensor w, Tensor? bias=None, int norm_interval=0, int[2] plans=[-1, -1]) -> Tensor");
+  // options: [plan_x, plan_w, route], explicit per call (csrc/gemm_plan.h, GemmOptions): how the
+  // integer-slice route plans this call ((-1, -1) the device's default, (-2, -2) cached guesses,
+  // (0, 0) from this call's summaries, (Sx, Sw) that fixed guess) and the route (0 auto, 1
+  // kernel, 2 slices, 3 slices with diagonals, 4 slices with CRT, 5 fp64 for rounded outputs).
+  // Every setting gives the same bytes.
+  m.def("gemm_partial(Tensor x, Tensor w, Tensor? bias=None, int norm_interval=0, int[] options=[-1, -1, 0]) -> Tensor");
   // The same exact sum rounded once, to nearest-even, straight to out_dtype (default float32;
   // bfloat16 / float16 are never rounded through fp32 first): (M, N).
-  m.def("gemm(Tensor x, Tensor w, Tensor? bias=None, ScalarType? out_dtype=None, int[2] plans=[-1, -1]) -> Tensor");
-  // Route switch for tests and benchmarks (csrc/int_slices_host.h): returns the previous route.
-  m.def("set_gemm_path(int path) -> int", &ldet::set_gemm_path);
+  m.def("gemm(Tensor x, Tensor w, Tensor? bias=None, ScalarType? out_dtype=None, int[] options=[-1, -1, 0]) -> Tensor");
+  // The plan a gemm (digits false) or gemm_partial (true) call with these operands and options
+  // would run, as JSON (csrc/gemm_plan.h, plan_json); runs the planner only (and, for the
+  // slices, both operands' row summaries).
+  m.def("explain_gemm(Tensor x, Tensor w, bool digits=False, int[] options=[-1, -1, 0]) -> str");
+  // This thread's last gemm / gemm_partial's plan as executed, as JSON (an empty plan before any).
+  m.def("last_gemm_plan() -> str", &ldet::last_gemm_plan_op);
   // The last slices GEMM of this thread: [Sx, Sw, x residues, w residues, x rows and w rows left
   // to the kernel] (tests and benchmarks; zeros before any; -1 for counts a guessed plan did not
   // wait for).

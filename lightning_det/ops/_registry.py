@@ -26,11 +26,11 @@ def ldet():
 
 def _register_longacc(lib: str) -> None:
     @torch.library.register_fake(lib + "gemm_partial")
-    def _(x, w, bias=None, norm_interval=0, plans=(-1, -1)):
+    def _(x, w, bias=None, norm_interval=0, options=(-1, -1, 0)):
         return x.new_empty((x.shape[0], w.shape[0], WORDS), dtype=torch.int64)
 
     @torch.library.register_fake(lib + "gemm")
-    def _(x, w, bias=None, out_dtype=None, plans=(-1, -1)):
+    def _(x, w, bias=None, out_dtype=None, options=(-1, -1, 0)):
         return x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype or torch.float32)
 
     @torch.library.register_fake(lib + "normalize")

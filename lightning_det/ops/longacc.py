@@ -13,6 +13,9 @@ built) and give the same bytes on both.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
+import json
 from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
@@ -29,7 +32,10 @@ __all__ = [
     "det_combine",
     "det_finalize",
     "det_normalize",
+    "GemmPlan",
+    "explain_gemm",
     "gemm_path",
+    "last_gemm_plan",
     "last_fp64_counts",
     "last_slices_plan",
     "scatter_sum_digits",
@@ -109,6 +115,7 @@ def det_gemm(
     *,
     out_dtype: torch.dtype = torch.float32,
     plans="default",
+    route: Optional[str] = None,
 ) -> torch.Tensor:
     """``x @ w.T (+ bias)``: the exact sum of exact products, rounded once to nearest-even.
 
@@ -120,6 +127,9 @@ def det_gemm(
         plans: how the integer-slice route plans this call: ``"default"``, ``"cached"``,
             ``"sync"`` or ``(slices_x, slices_w)`` (see ``_plans_arg``). The bytes never depend
             on it; det_ddp passes its ``gemm_plans`` mode through the step state.
+        route: the exact route, as :func:`gemm_path` names them (``None``: the enclosing
+            ``gemm_path`` block's, else ``"auto"``). The bytes never depend on it either;
+            :func:`explain_gemm` says which route ``"auto"`` takes and why.
 
     Returns:
         (..., N) tensor of ``out_dtype``. Row i does not depend on the other rows, K-splits,
@@ -128,52 +138,67 @@ def det_gemm(
     x2, lead = _gemm_args(x, w, bias)
     if out_dtype not in _FLOATS:
         raise TypeError(f"out_dtype: expected torch.float32, torch.bfloat16 or torch.float16, got {out_dtype}")
-    y = _ops().gemm(x2, w, bias, out_dtype, _plans_arg(plans))
+    y = _ops().gemm(x2, w, bias, out_dtype, _plans_arg(plans, route))
     return y.reshape(*lead, w.shape[0])
 
 
-_GEMM_PATHS = {"auto": 0, "kernel": 1, "slices": 2, "slices_diagonals": 3, "slices_crt": 4, "fp64": 5}
+_ROUTES = {"auto": 0, "kernel": 1, "slices": 2, "slices_diagonals": 3, "slices_crt": 4, "fp64": 5}
+
+# The route of the enclosing gemm_path block, read once per call by _plans_arg and passed to the
+# op as an argument. A ContextVar: scoped to the block and to its own thread / asyncio task, so
+# one thread's block never routes another thread's GEMMs.
+_ROUTE_SCOPE: contextvars.ContextVar[str] = contextvars.ContextVar("lightning_det_gemm_route", default="auto")
+
+
+def _route_name(route) -> str:
+    if route is None:
+        return _ROUTE_SCOPE.get()
+    if not isinstance(route, str) or route not in _ROUTES:
+        raise ValueError(f"route: expected one of {sorted(_ROUTES)}, got {route!r}")
+    return route
 
 
 @contextlib.contextmanager
 def gemm_path(path: str) -> Iterator[None]:
-    """Routes every exact GEMM (det_gemm, det_gemm_partial and the modules built on them) through
-    one exact path inside the ``with`` block, process-wide.
+    """Routes the exact GEMMs called inside the ``with`` block (det_gemm, det_gemm_partial and
+    the modules built on them) through one exact path, in this thread (or asyncio task) only.
+
+    The route reaches the compiled op as an argument of each call (``route=`` of
+    :func:`det_gemm` passes it directly); nothing process-wide is set.
 
     Args:
-        path: ``"auto"`` (the default outside any block: integer slices where they pay, else the
-            long-accumulator kernel), ``"kernel"`` (the long-accumulator kernel only) or
-            ``"slices"`` (int8 slice GEMMs whenever the inputs allow; rows they cannot hold
-            exactly still go to the kernel), ``"slices_diagonals"`` / ``"slices_crt"``
-            (the slices, their products formed by one GEMM per diagonal of slice pairs, or by
-            one GEMM per modulus of a residue number system (Chinese remainder theorem) where
-            the moduli cover the products; "auto" takes it on the CPU wherever it needs fewer int8
-            GEMMs than the diagonals when the build has AVX-512, else for fp32 from K ~ 100,
-            and on CUDA never (no faster there); :func:`last_slices_plan` says which ran),
-            ``"fp64"`` (rounded outputs from one fp64 GEMM whose proven error bound decides each
-            output's rounding; the few it cannot decide are recomputed from the operands,
-            csrc/fp64_bound.h; "auto" takes it on CUDA for rounded outputs with an fp32
-            operand from M N K >= 2^30, never on the CPU; digits outputs then go as under
-            "auto": :func:`last_fp64_counts`).
+        path: ``"auto"`` (the default outside any block: the planner's cheapest route for the
+            call's device, dtypes and shape, csrc/gemm_plan.h; :func:`explain_gemm` says which
+            and why), ``"kernel"`` (the long-accumulator kernel only) or ``"slices"`` (int8 slice
+            GEMMs whenever the inputs allow; rows they cannot hold exactly still go to the
+            kernel), ``"slices_diagonals"`` / ``"slices_crt"`` (the slices, their products formed
+            by one GEMM per diagonal of slice pairs, or by one GEMM per modulus of a residue number
+            system (Chinese remainder theorem) where the moduli cover the products;
+            :func:`last_slices_plan` says which ran), ``"fp64"`` (rounded outputs from one fp64
+            GEMM whose proven error bound decides each output's rounding; the few it cannot
+            decide are recomputed from the operands, csrc/fp64_bound.h; digits outputs then go as
+            under "auto": :func:`last_fp64_counts`).
 
     Every path returns the same bytes (the exact sum rounded once); the switch exists so tests and
-    benchmarks can compare them. Not thread-safe: it sets one process-wide route.
+    benchmarks can compare them.
     """
-    if path not in _GEMM_PATHS:
-        raise ValueError(f"path: expected one of {sorted(_GEMM_PATHS)}, got {path!r}")
-    prev = _ops().set_gemm_path(_GEMM_PATHS[path])
+    if not isinstance(path, str) or path not in _ROUTES:
+        raise ValueError(f"path: expected one of {sorted(_ROUTES)}, got {path!r}")
+    token = _ROUTE_SCOPE.set(path)
     try:
         yield
     finally:
-        _ops().set_gemm_path(prev)
+        _ROUTE_SCOPE.reset(token)
 
 
 _GUESS_MODES = {"default": -1, "cached": -2, "sync": 0}
 _SLICE_MAX = 8  # csrc/int_slices.h kSliceMax
 
 
-def _plans_arg(plans) -> list:
-    """The ops' ``plans`` argument: how the integer-slice route plans one GEMM.
+def _plans_arg(plans, route=None) -> list:
+    """The ops' ``options`` argument ``[plan_x, plan_w, route]``: how the integer-slice route
+    plans one GEMM, and the route (``route`` as :func:`det_gemm`'s; ``None``: the enclosing
+    :func:`gemm_path` block's, else auto).
 
     The plan (int8 slices per value of x and of w) comes from both operands' row summaries, which
     live on the operands' device: reading them synchronizes the host with the GPU once per GEMM.
@@ -188,14 +213,87 @@ def _plans_arg(plans) -> list:
     (the call plans from its own summaries), or a tuple ``(slices_x, slices_w)`` of ints in
     [1, 8]: that guess (tests: guesses too small and too large).
     """
+    code = _ROUTES[_route_name(route)]
     if isinstance(plans, tuple):
         ok = len(plans) == 2 and all(type(v) is int and 1 <= v <= _SLICE_MAX for v in plans)
         if not ok:
             raise ValueError(f"plans: expected a tuple of two slice counts in [1, {_SLICE_MAX}], got {plans!r}")
-        return list(plans)
+        return [*plans, code]
     if isinstance(plans, str) and plans in _GUESS_MODES:
-        return [_GUESS_MODES[plans]] * 2
+        return [_GUESS_MODES[plans]] * 2 + [code]
     raise ValueError(f"plans: expected one of {sorted(_GUESS_MODES)} or a tuple (slices_x, slices_w), got {plans!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmPlan:
+    """Which exact route a GEMM takes and why (csrc/gemm_plan.h, the one planner).
+
+    ``route`` is ``"kernel"``, ``"slices"`` or ``"fp64"``; ``route_reason`` says why (forced, or
+    auto's least cost from the cost table, ``cost_*`` and ``cost_source``; the slices may hand a
+    call with a wide exponent spread back to the kernel); ``fallback`` what handles what the
+    route cannot. For the slices: ``slices_x`` / ``slices_w`` (int8 digits per value),
+    ``moduli`` (CRT moduli; 0: one GEMM per diagonal of slice pairs), ``way_reason`` and
+    ``counts_reason``, ``residues_*``, ``kernel_rows_*`` (rows left to the kernel), K- and
+    N-chunks. ``fields`` holds every field the planner printed.
+    """
+
+    route: str
+    route_reason: str
+    fallback: str
+    device: str
+    inputs: str
+    output: str
+    slices_x: int
+    slices_w: int
+    moduli: int
+    way_reason: str
+    counts_reason: str
+    fields: dict
+
+    @property
+    def slices_way(self) -> Optional[str]:
+        """``"crt"`` or ``"diagonals"`` when the route is the slices, else None."""
+        if self.route != "slices":
+            return None
+        return "crt" if self.moduli > 0 else "diagonals"
+
+
+def _plan_from_json(text: str) -> GemmPlan:
+    d = json.loads(text)
+    names = [f.name for f in dataclasses.fields(GemmPlan) if f.name != "fields"]
+    return GemmPlan(**{k: d[k] for k in names}, fields=d)
+
+
+def explain_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    output: str = "rounded",
+    plans="default",
+    route: Optional[str] = None,
+) -> GemmPlan:
+    """The plan :func:`det_gemm` (``output="rounded"``) or :func:`det_gemm_partial`
+    (``output="digits"``) would run for these operands, with the reason for every choice.
+
+    Runs the planner only; for the slices it also reads both operands' row summaries (their
+    exponent ranges, one pass over the data), as the call itself would. With ``plans="cached"``
+    a call may take larger slice counts than shown (a guess); never different bytes.
+
+    Args:
+        x: (..., K), w: (N, K), as :func:`det_gemm`'s.
+        output: ``"rounded"`` or ``"digits"``.
+        plans, route: as :func:`det_gemm`'s.
+    """
+    x2, _ = _gemm_args(x, w, None)
+    if output not in ("rounded", "digits"):
+        raise ValueError(f"output: expected 'rounded' or 'digits', got {output!r}")
+    return _plan_from_json(_ops().explain_gemm(x2, w, output == "digits", _plans_arg(plans, route)))
+
+
+def last_gemm_plan() -> GemmPlan:
+    """The plan this thread's last det_gemm / det_gemm_partial ran, as executed (the slices'
+    counts included); the same fields as :func:`explain_gemm`'s. For tests and benchmarks."""
+    return _plan_from_json(_ops().last_gemm_plan())
 
 
 def last_slices_plan() -> dict:
@@ -227,13 +325,13 @@ def last_fp64_counts() -> dict:
 
 def det_gemm_partial(
     x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *, plans="default",
-    _norm_interval: int = 0
+    route: Optional[str] = None, _norm_interval: int = 0
 ) -> LongAcc:
     """The unrounded ``x @ w.T (+ bias)`` as canonical digits.
 
     Args:
         x: (..., K), w: (N, K), bias: optional (N,); float32 / bfloat16 / float16.
-        plans: as :func:`det_gemm`'s.
+        plans, route: as :func:`det_gemm`'s.
 
     Returns:
         LongAcc of shape (..., N, 19), int64. Combine partials over any K-split with
@@ -242,7 +340,7 @@ def det_gemm_partial(
     x2, lead = _gemm_args(x, w, bias)
     if _norm_interval < 0:
         raise ValueError(f"_norm_interval: expected >= 0, got {_norm_interval}")
-    acc = _ops().gemm_partial(x2, w, bias, _norm_interval, _plans_arg(plans))
+    acc = _ops().gemm_partial(x2, w, bias, _norm_interval, _plans_arg(plans, route))
     return acc.reshape(*lead, w.shape[0], WORDS)
 
 

@@ -1,0 +1,61 @@
+// Runs an exact GEMM's plan (csrc/gemm_plan.h) with one device's routes: the same steps on the
+// CPU (csrc/cpu/gemm_cpu.cpp) and CUDA (csrc/cuda/gemm_cuda.cu).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "fp64_bound_host.h"
+#include "gemm_plan.h"
+#include "int_slices_host.h"
+
+namespace ldet {
+
+// The executed plan of this thread's last gemm / gemm_partial (lightning_det.ops.last_gemm_plan:
+// tests and benchmarks; csrc/schema/gemm.cpp).
+GemmPlan& last_gemm_plan();
+
+// Stage 1 of the planner for one call's operands (gemm_plan.h, plan_gemm).
+inline GemmPlan plan_for(const at::Tensor& x, const at::Tensor& w, GemmDevice device, bool digits,
+                         const GemmOptions& options, bool allow_fast) {
+  return plan_gemm(x.size(0), w.size(0), x.size(1), x.scalar_type() == at::kFloat, w.scalar_type() == at::kFloat,
+                   device, digits, options, allow_fast);
+}
+
+// Runs the plan: the fp64 route, or the slices (whose own plan may hand the call to the kernel),
+// or the long-accumulator kernel `kernel` (which also recomputes the rows the slices cannot hold).
+// *plan ends as executed.
+inline at::Tensor execute_gemm(GemmPlan* plan, const at::Tensor& x, const at::Tensor& w,
+                               const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype, const Fp64Backend& fp64,
+                               const SliceBackend& slices, const LongAccGemm& kernel) {
+  if (!plan->digits) last_fp64_counts() = at::Tensor();  // until this call takes the fp64 route
+  at::Tensor out;
+  if (plan->route == GemmRoute::kFp64) {
+    out = gemm_fp64_bound(*plan, x, w, bias, out_dtype, fp64);
+  } else if (plan->route == GemmRoute::kSlices) {
+    out = gemm_int_slices(plan, x, w, bias, out_dtype, slices, kernel);
+  }
+  if (!out.defined()) out = kernel(x, w, bias);
+  last_gemm_plan() = *plan;
+  return out;
+}
+
+// The plan a call with these operands and options would run, without running it: stage 1, and
+// for the slices their plan from both operands' summaries (computed here, one synchronization),
+// or from the options' fixed guess. The guess cache is neither read nor changed: with cached
+// guesses a call may take larger counts than this shows (never different bytes).
+inline GemmPlan explain_gemm_plan(const at::Tensor& x, const at::Tensor& w, bool digits, const GemmOptions& options,
+                                  const SliceBackend& slices) {
+  GemmPlan plan = plan_for(x, w, slices.device, digits, options, true);
+  if (plan.route != GemmRoute::kSlices) return plan;
+  if (options.plan_x > 0) {
+    plan_slices_stage(&plan, nullptr, nullptr, options.plan_x, options.plan_w, slice_target(slices));
+    return plan;
+  }
+  const SliceRun r = slices_summaries(x, w, false, slices);
+  const at::Tensor summary = r.sums.cpu();
+  const int32_t* sx = summary.data_ptr<int32_t>();
+  plan_slices_stage(&plan, sx, sx + kSumLen, 0, 0, slice_target(slices));
+  return plan;
+}
+
+}  // namespace ldet

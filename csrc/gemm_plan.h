@@ -1,0 +1,565 @@
+// The one place where an exact GEMM's route is chosen: a pure planner over the call's shape,
+// dtypes, device, output kind and explicit options, and its cost model as data.
+//
+// Every route returns the exact sum (rounded once, or as canonical digits), so a plan changes
+// speed only, never bytes. Routes (csrc/gemm_common.h, int_slices_host.h, fp64_bound_host.h):
+//   kernel  the long-accumulator kernel (any data, any output);
+//   slices  int8 slice GEMMs (csrc/int_slices.h), their products formed per diagonal of slice
+//           pairs or per CRT modulus (csrc/crt.h); rows they cannot hold go to the kernel;
+//   fp64    rounded outputs from one fp64 GEMM and a proven error bound (csrc/fp64_bound.h);
+//           outputs it cannot decide are recomputed (ordered sum, then the long accumulator).
+//
+// Planning runs in two pure steps:
+//   plan_gemm           (M, N, K, dtypes, device, output kind, options) -> GemmPlan: the route;
+//   plan_slices_stage   the slices' counts, K-chunks, 128-bit proof, CRT moduli and N-chunks,
+//                       from both operands' row summaries (int_slices.h, kSum*): data, measured
+//                       on the device by the slicing step; may send the call back to the kernel.
+// The execution (csrc/gemm_execute.h) runs the plan; lightning_det.ops.explain_gemm prints it.
+//
+// Options arrive explicitly per call (GemmOptions: the gemm / gemm_partial ops' `options`
+// argument). Environment knobs are read once, at the first GEMM, into GemmEnv (below).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "crt.h"
+#include "int_slices.h"
+
+namespace ldet {
+
+// Route forcing (GemmOptions::route; lightning_det.ops route names in brackets): kPathAuto
+// ("auto") takes the cost table's cheapest route; kPathKernel ("kernel") the long-accumulator
+// kernel only; kPathSlices ("slices") the slices wherever they apply, with the cost model's choice
+// between diagonals and CRT; kPathSlicesDiagonals / kPathSlicesCrt ("slices_diagonals" /
+// "slices_crt") force one of those (CRT where the backend has it and the moduli cover the
+// products, else the diagonals); kPathFp64 ("fp64") rounded outputs through the fp64 route,
+// digits outputs as under auto.
+enum GemmPath {
+  kPathAuto = 0,
+  kPathKernel = 1,
+  kPathSlices = 2,
+  kPathSlicesDiagonals = 3,
+  kPathSlicesCrt = 4,
+  kPathFp64 = 5
+};
+
+// The explicit options of one call: the ops' `options` argument [plan_x, plan_w, route].
+// plan_x, plan_w: how a slice GEMM gets its counts: (-1, -1) the backend's default, (-2, -2)
+// cached guesses, (0, 0) from this call's summaries, (Sx, Sw) in [1, kSliceMax] that fixed guess.
+struct GemmOptions {
+  int64_t plan_x = -1;
+  int64_t plan_w = -1;
+  GemmPath route = kPathAuto;
+};
+
+// The options argument checked (2 values: the planning mode, route auto; 3: with the route).
+// Throws std::invalid_argument naming the argument and what was expected.
+inline GemmOptions parse_gemm_options(const int64_t* v, size_t n) {
+  if (n != 2 && n != 3)
+    throw std::invalid_argument("options: expected [plan_x, plan_w] or [plan_x, plan_w, route], got " +
+                                std::to_string(n) + " integers");
+  const int64_t sx = v[0], sw = v[1];
+  const bool mode = (sx == sw) && (sx == -1 || sx == -2 || sx == 0);
+  const bool fixed = sx >= 1 && sx <= kSliceMax && sw >= 1 && sw <= kSliceMax;
+  if (!mode && !fixed)
+    throw std::invalid_argument("plans: expected (-1, -1) the default, (-2, -2) cached guesses, (0, 0) no guess, "
+                                "or slice counts in [1, " + std::to_string(kSliceMax) + "], got (" +
+                                std::to_string(sx) + ", " + std::to_string(sw) + ")");
+  GemmOptions o;
+  o.plan_x = sx;
+  o.plan_w = sw;
+  if (n == 3) {
+    if (v[2] < kPathAuto || v[2] > kPathFp64)
+      throw std::invalid_argument("route: expected 0 (auto), 1 (kernel), 2 (slices), 3 (slices, diagonals), "
+                                  "4 (slices, CRT) or 5 (fp64), got " + std::to_string(v[2]));
+    o.route = GemmPath(v[2]);
+  }
+  return o;
+}
+
+// The GEMM's environment knobs, read once (the first GEMM of the process) and never again:
+//   LIGHTNING_DET_FP64_CHUNK_MIB        fp64 route: MiB of fp64 products D per N-chunk (256)
+//   LIGHTNING_DET_SLICES_CHUNK_MIB      slices: MiB of int32 diagonals per N-chunk (256)
+//   LIGHTNING_DET_SLICES_CONTIGUOUS=1   slices, diagonals: contiguous operand copies per int8
+//                                       GEMM (benchmarks: which cuBLASLt kernels that picks)
+//   LIGHTNING_DET_SLICE_BITS=7|8        CPU: 7-bit digits forced (tests; default: probed)
+//   LIGHTNING_DET_CRT_SCALAR=1          CPU: the CRT way through crt.h's 32-bit scalar forms
+//   LIGHTNING_DET_CRT_VECTOR_UNPROVEN=1 CPU, AVX-512: every CRT vector lane counts as unproven
+//   LIGHTNING_DET_INT8_GEMM=torch       CUDA: int8 GEMMs through at::_int_mm, not cuBLASLt
+//   LIGHTNING_DET_INT8_GEMM_TUNE=1      CUDA: time cuBLASLt's candidates once per shape
+// None changes a byte of any result (tests run each branch). LIGHTNING_DET_FILL_EMPTY
+// (csrc/uninit.h) is not a GEMM knob: every op's scratch buffers follow it.
+struct GemmEnv {
+  int64_t fp64_chunk_mib = 256;
+  int64_t slices_chunk_mib = 256;
+  bool slices_contiguous = false;
+  int slice_bits = 0;  // 0: probe the int8 GEMM (csrc/cpu/int_slices_cpu.cpp)
+  bool crt_scalar = false;
+  bool crt_vector_unproven = false;
+  bool int8_gemm_torch = false;
+  bool int8_gemm_tune = false;
+};
+
+inline GemmEnv read_gemm_env() {
+  auto get = [](const char* name) -> std::string {
+    const char* v = std::getenv(name);
+    return v == nullptr ? std::string() : std::string(v);
+  };
+  auto mib = [&](const char* name, int64_t dflt) {
+    const std::string v = get(name);
+    return v.empty() ? dflt : std::max<int64_t>(1, std::atoll(v.c_str()));
+  };
+  GemmEnv e;
+  e.fp64_chunk_mib = mib("LIGHTNING_DET_FP64_CHUNK_MIB", 256);
+  e.slices_chunk_mib = mib("LIGHTNING_DET_SLICES_CHUNK_MIB", 256);
+  e.slices_contiguous = get("LIGHTNING_DET_SLICES_CONTIGUOUS") == "1";
+  const std::string bits = get("LIGHTNING_DET_SLICE_BITS");
+  if (!bits.empty() && bits != "7" && bits != "8")
+    throw std::invalid_argument("LIGHTNING_DET_SLICE_BITS: expected 7 or 8, got " + bits);
+  e.slice_bits = bits.empty() ? 0 : std::atoi(bits.c_str());
+  e.crt_scalar = get("LIGHTNING_DET_CRT_SCALAR") == "1";
+  e.crt_vector_unproven = get("LIGHTNING_DET_CRT_VECTOR_UNPROVEN") == "1";
+  e.int8_gemm_torch = get("LIGHTNING_DET_INT8_GEMM") == "torch";
+  e.int8_gemm_tune = get("LIGHTNING_DET_INT8_GEMM_TUNE") == "1";
+  return e;
+}
+
+inline const GemmEnv& gemm_env() {
+  static const GemmEnv env = read_gemm_env();
+  return env;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The cost model, as data.
+
+// Where the GEMM runs, as far as costs differ: the CPU with or without the AVX-512 vector forms
+// of the slices (csrc/cpu/*_vector.h), and CUDA.
+enum class GemmDevice { kCpu = 0, kCpuAvx512 = 1, kCuda = 2 };
+// kFp32: an fp32 operand (the kernel then splits it into four products); k16Bit: both bf16/fp16.
+enum class InputClass { kFp32 = 0, k16Bit = 1 };
+enum class GemmRoute { kKernel = 0, kSlices = 1, kFp64 = 2 };
+
+constexpr double kNoFigure = std::numeric_limits<double>::infinity();  // not an auto candidate
+
+// One shape class of one device and input class: M N K >= 2^from_log2_work (up to the next
+// row's). Costs: time relative to torch.mm fp32 on the same shape (1 / the benchmark's
+// ratio_vs_fp32_mm), or ranks where `measured` is false (an order from an earlier measurement
+// whose figures were not recorded). kNoFigure: never chosen by auto there (fp64 also needs
+// rounded outputs). Auto takes the least cost; a tie goes to the earlier route (kernel, slices,
+// fp64). The rows of one (device, inputs) are in increasing from_log2_work.
+struct CostRow {
+  GemmDevice device;
+  InputClass inputs;
+  int from_log2_work;
+  double kernel, slices, fp64;
+  bool measured;
+  const char* source;
+};
+
+// clang-format off
+inline constexpr CostRow kCostTable[] = {
+  // CPU, 2 threads (oneDNN VNNI int8): benchmarks/gemm.py --device cpu, ratios in one run.
+  {GemmDevice::kCpu, InputClass::kFp32, 0, 1, 2, kNoFigure, false, "kernel below 32^3 (fixed costs of the slices)"},
+  {GemmDevice::kCpu, InputClass::kFp32, 15, 25.6, 3.05, kNoFigure, true, "cpu-gemm.json fp32 512^3"},
+  {GemmDevice::kCpu, InputClass::k16Bit, 0, 8.6, 16.6, kNoFigure, true, "bf16 512^3 ms, no AVX-512 forms"},
+  {GemmDevice::kCpuAvx512, InputClass::kFp32, 0, 1, 2, kNoFigure, false, "kernel below 32^3 (fixed costs of the slices)"},
+  {GemmDevice::kCpuAvx512, InputClass::kFp32, 15, 25.6, 3.05, kNoFigure, true, "cpu-gemm.json fp32 512^3"},
+  {GemmDevice::kCpuAvx512, InputClass::k16Bit, 0, 1.0, 1.0, kNoFigure, true, "bf16 128^3 ms: a tie"},
+  {GemmDevice::kCpuAvx512, InputClass::k16Bit, 21, 3.94, 2.04, kNoFigure, true, "cpu-gemm.json bf16 512^3"},
+  // CUDA, one H200 (cuBLASLt int8 and fp64).
+  {GemmDevice::kCuda, InputClass::kFp32, 0, 1, 2, kNoFigure, false, "kernel below 64^3 (fixed costs of the slices)"},
+  {GemmDevice::kCuda, InputClass::kFp32, 18, 2, 1, kNoFigure, false, "slices from 64^3"},
+  {GemmDevice::kCuda, InputClass::kFp32, 30, 7.41, 1.54, 1.28, true, "h200-gemm.json fp32 4096^3 normal"},
+  {GemmDevice::kCuda, InputClass::k16Bit, 0, 1.92, 7.14, kNoFigure, true, "bf16 1024^3: kernel 0.52x, slices 0.14x"},
+  {GemmDevice::kCuda, InputClass::k16Bit, 34, 1.75, 0.77, 1.57, true, "h200-gemm.json bf16 4096^3 normal"},
+};
+// clang-format on
+
+// The slices' own cost figures per device, in int8 multiply-adds of the slice GEMMs:
+// term_macs, one residue term of the combine (the slice counts weigh a slice fewer against the
+// residues it leaves); crt_output_macs, one output's CRT reconstruction per modulus beyond the
+// diagonals' combine (kNoFigure: the CRT way only where a route forces it).
+struct SliceCosts {
+  GemmDevice device;
+  double term_macs, crt_output_macs;
+  const char* source;
+};
+
+inline constexpr SliceCosts kSliceCostTable[] = {
+  // a residue term ~2 ns on one core against ~300 G int8 multiply-adds a second on two. The
+  // fp64 loops' CRT: fp32 at 0.71-0.78 of the diagonals for K >= 256, 0.94 at K = 64; bf16 at 7
+  // moduli for 9 pairs 0.95-1.13: 150.
+  {GemmDevice::kCpu, 2000.0, 150.0, "CPU without the AVX-512 forms"},
+  // the AVX-512 CRT forms took 0.26-0.45 of the diagonals' time on every shape measured: fewer
+  // GEMMs decide
+  {GemmDevice::kCpuAvx512, 2000.0, 0.0, "CPU with the AVX-512 forms"},
+  // a residue term ~10 instructions, scattered reads, against ~10^15 int8 multiply-adds a
+  // second; CRT at 4096^3 ties the diagonals on fp32 and is slower on bf16 (8 moduli for 9 pairs)
+  {GemmDevice::kCuda, 10000.0, kNoFigure, "H200, cuBLASLt"},
+};
+
+inline const SliceCosts& slice_costs(GemmDevice d) {
+  for (const SliceCosts& c : kSliceCostTable)
+    if (c.device == d) return c;
+  return kSliceCostTable[0];
+}
+
+// The table row of (device, inputs) for M N K = work.
+inline const CostRow* cost_row(GemmDevice d, InputClass in, double work) {
+  const CostRow* best = nullptr;
+  for (const CostRow& r : kCostTable)
+    if (r.device == d && r.inputs == in && work >= std::ldexp(1.0, r.from_log2_work)) best = &r;
+  return best;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The plan.
+
+inline const char* route_name(GemmRoute r) {
+  return r == GemmRoute::kKernel ? "kernel" : r == GemmRoute::kSlices ? "slices" : "fp64";
+}
+inline const char* device_name(GemmDevice d) {
+  return d == GemmDevice::kCpu ? "cpu" : d == GemmDevice::kCpuAvx512 ? "cpu-avx512" : "cuda";
+}
+
+// The long-accumulator kernel's tiling (csrc/cpu/gemm_cpu.cpp, csrc/cuda/gemm_cuda.cu): output
+// tile and K-block. Fixed per device; in the plan so that it can be printed.
+struct KernelTiles {
+  int tile_m, tile_n, k_block;
+};
+constexpr KernelTiles kernel_tiles(GemmDevice d) {
+  return d == GemmDevice::kCuda ? KernelTiles{64, 64, 32} : KernelTiles{6, 8, 32};
+}
+
+// The slices' plan, from both operands' summaries (plan_slices_stage).
+struct SlicesPlan {
+  bool planned = false;      // the stage ran (the route reached the slices)
+  bool guessed = false;      // counts from a guess (options or cache), not this call's summaries
+  int64_t slices_x = 0, slices_w = 0;
+  int64_t k_chunk = 0, k_chunks = 0;  // Kc, nch: int32 holds a diagonal's sum over a K-chunk
+  // (and the 128-bit proof counts on them); the slices' layout: the same, or for the CRT way
+  // all of K (rounded up to 16) in one chunk
+  int64_t sliced_k_chunk = 0, sliced_k_chunks = 0;
+  bool wide = false;         // the combine's 128-bit sum is proven (else checked on the device)
+  int64_t residues_x = 0, residues_w = 0;        // values kept out of the digits (-1: not read)
+  int64_t kernel_rows_x = 0, kernel_rows_w = 0;  // rows left to the long-accumulator kernel
+  int64_t moduli = 0;        // CRT moduli; 0: one int8 GEMM per (K-chunk, diagonal)
+  int64_t diagonals = 0;     // Sx + Sw - 1
+  int64_t planes = 0;        // int32 planes per N-chunk: moduli, or diagonals x K-chunks
+  int64_t rows_padded = 0;   // Mp: cuBLASLt's int8 GEMM needs M > 16
+  int64_t n_chunk = 0, n_padded = 0;  // N-chunk width and the padded column count
+  bool worth_it = true;      // auto: false when most rows would be recomputed anyway
+  std::string counts_reason, way_reason;
+};
+
+struct GemmPlan {
+  // What was planned for.
+  int64_t M = 0, N = 0, K = 0;
+  InputClass inputs = InputClass::kFp32;
+  bool digits = false;  // canonical digits out (gemm_partial), else rounded
+  GemmDevice device = GemmDevice::kCpu;
+  GemmOptions options;
+  // The route and why.
+  GemmRoute route = GemmRoute::kKernel;
+  std::string route_reason;
+  // The cost table's figures for this call's class (kNoFigure: none), and the row's source.
+  double cost_kernel = kNoFigure, cost_slices = kNoFigure, cost_fp64 = kNoFigure;
+  const char* cost_source = "";
+  // What handles what the route cannot: a short description.
+  std::string fallback;
+  KernelTiles tiles{0, 0, 0};
+  bool fp32_split = false;  // the kernel runs fp32 inputs as four 2^17-scaled segments (split.h)
+  int64_t fp64_n_chunk = 0;  // fp64 route: columns per fp64 GEMM (products within the chunk MiB)
+  SlicesPlan slices;
+};
+
+// Stage 1: the route from the call's shape, dtypes, device, output kind and options.
+// allow_fast: false for the tests' normalization-interval calls (the kernel's own headroom path).
+inline GemmPlan plan_gemm(int64_t M, int64_t N, int64_t K, bool x_fp32, bool w_fp32, GemmDevice device, bool digits,
+                          const GemmOptions& opt, bool allow_fast = true) {
+  GemmPlan p;
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  p.inputs = (x_fp32 || w_fp32) ? InputClass::kFp32 : InputClass::k16Bit;
+  p.digits = digits;
+  p.device = device;
+  p.options = opt;
+  p.tiles = kernel_tiles(device);
+  p.fp32_split = p.inputs == InputClass::kFp32;
+  const double work = double(M) * double(N) * double(K);
+  if (const CostRow* r = cost_row(device, p.inputs, work)) {
+    p.cost_kernel = r->kernel;
+    p.cost_slices = r->slices;
+    p.cost_fp64 = r->fp64;
+    p.cost_source = r->source;
+  }
+  p.fallback = "none: the kernel takes any data";
+  auto kernel = [&](const char* why) {
+    p.route = GemmRoute::kKernel;
+    p.route_reason = why;
+    return p;
+  };
+  if (!allow_fast) return kernel("a normalization interval was given (tests): the kernel's own path");
+  if (M == 0 || N == 0 || K == 0) return kernel("empty: no products");
+  const bool fp64_ok = !digits && K <= (int64_t(1) << 33);
+  // The fp64 route's switch leaves digits outputs to the auto choice.
+  const GemmPath mode = (opt.route == kPathFp64 && digits) ? kPathAuto : opt.route;
+  if (mode == kPathKernel) return kernel("forced by route=kernel");
+  GemmRoute want;
+  if (mode == kPathFp64) {
+    if (!fp64_ok) return kernel("forced fp64, K beyond its bound");  // unreachable below 2^33
+    want = GemmRoute::kFp64;
+    p.route_reason = "forced by route=fp64";
+  } else if (mode != kPathAuto) {
+    want = GemmRoute::kSlices;
+    p.route_reason = "forced by route=" + std::string(mode == kPathSlices ? "slices"
+                                                      : mode == kPathSlicesCrt ? "slices_crt" : "slices_diagonals");
+  } else {
+    want = GemmRoute::kKernel;
+    double best = p.cost_kernel;
+    if (p.cost_slices < best) {
+      want = GemmRoute::kSlices;
+      best = p.cost_slices;
+    }
+    if (fp64_ok && p.cost_fp64 < best) want = GemmRoute::kFp64;
+    std::ostringstream why;
+    why << "auto: least cost for " << device_name(device) << ", " << (p.inputs == InputClass::kFp32 ? "fp32" : "16-bit")
+        << " inputs, M N K = 2^" << std::ilogb(work) << (digits ? ", digits" : ", rounded") << " (" << p.cost_source << ")";
+    p.route_reason = why.str();
+  }
+  p.route = want;
+  if (want == GemmRoute::kSlices) {
+    p.fallback = "rows the slices cannot hold (or needing more than a guess) go to the kernel";
+  } else if (want == GemmRoute::kFp64) {
+    const int64_t cap = gemm_env().fp64_chunk_mib;
+    p.fp64_n_chunk = std::min<int64_t>(N, std::max<int64_t>(8, ((cap << 20) / (8 * M)) / 8 * 8));
+    p.fallback = "outputs the bound cannot decide: ordered fp64 sum, then the long accumulator";
+  }
+  return p;
+}
+
+// The K-chunk for (Sa, Sb) slices: int32 holds a diagonal's sum while pairs * Kc * 2^(2 bits - 2)
+// < 2^31. Sets Kc and nch; returns the pairs of the longest diagonal.
+inline int64_t slice_k_chunks(int64_t K, int64_t Sa, int64_t Sb, int bits, int64_t* Kc, int64_t* nch) {
+  const int64_t pairs = std::max<int64_t>(1, std::min(Sa, Sb));
+  const int64_t kc_max = (kSliceIntBound / (pairs << (2 * bits - 2))) / 16 * 16;
+  *nch = ((K + 15) / 16 * 16 + kc_max - 1) / kc_max;
+  *Kc = ((K + *nch - 1) / *nch + 15) / 16 * 16;
+  return pairs;
+}
+
+// The slice counts from both operands' summaries (int_slices.h, kSum*): from each operand's least
+// up to kSliceMax, the pair with the least work (int8 multiply-adds plus term_macs per residue
+// term) among those whose 128-bit combine is proven. Sets slices_x/w, k_chunk(s), wide.
+inline void plan_slice_counts(const int32_t* sx, const int32_t* sw, int64_t M, int64_t N, int64_t K, int bits,
+                              double term_macs, SlicesPlan* out) {
+  auto plan_for = [&](int64_t Sa, int64_t Sb, SlicesPlan* p) {
+    p->slices_x = Sa;
+    p->slices_w = Sb;
+    slice_k_chunks(K, Sa, Sb, bits, &p->k_chunk, &p->k_chunks);
+    p->wide = slices_wide(sx, sw, int(Sa), int(Sb), p->k_chunks, p->k_chunk, bits);
+  };
+  const int64_t Sx0 = sx[kSumNeed], Sw0 = sw[kSumNeed];
+  plan_for(Sx0, Sw0, out);
+  if (Sx0 == 0 || Sw0 == 0) {  // an all-zero (or all left-out) operand
+    out->counts_reason = "an operand is all zero or all left to the kernel";
+    return;
+  }
+  double best_cost = std::numeric_limits<double>::infinity();
+  SlicesPlan best = *out;
+  for (int64_t a = Sx0; a <= kSliceMax; ++a) {
+    for (int64_t b = Sw0; b <= kSliceMax; ++b) {
+      SlicesPlan p = *out;
+      plan_for(a, b, &p);
+      const double cost = double(a * b) * double(M) * double(N) * double(K) +
+                          term_macs * (double(sx[kSumCount + a - 1]) * double(N) + double(sw[kSumCount + b - 1]) * double(M));
+      if ((p.wide && !best.wide) || (p.wide == best.wide && cost < best_cost)) {
+        best = p;
+        best_cost = cost;
+      }
+    }
+  }
+  *out = best;
+  out->counts_reason = best.wide ? "least int8 work plus residue terms with a proven 128-bit combine"
+                                 : "no count pair proves the 128-bit combine: every output takes the long accumulator";
+}
+
+// Whether the slices should run at all under auto: when most rows of an operand would be
+// recomputed by the kernel anyway, the kernel alone is cheaper.
+inline bool slices_worth_it(const int32_t* sx, const int32_t* sw, int64_t M, int64_t N) {
+  return !(2 * int64_t(sx[kSumBad]) > M || 2 * int64_t(sw[kSumBad]) > N);
+}
+
+// The N-chunk width Nc and the padded column count Np (>= N, a multiple of 8; the last chunk may
+// be narrower) for int32 planes (P, Mp, Nc) within cap_mib. max_outputs > 0 (CUDA): every chunk
+// Nc = 8 (mod 16) wide with Mp * Nc <= max_outputs, padding w's slices with zero rows: cuBLASLt
+// then runs its sm90 int8 kernels, where multiples of 16 get its sm80 ones (~0.8x) and wider
+// chunks a slow sm80 one (~0.3x), as a scan of the chunk width on Hopper showed.
+inline std::pair<int64_t, int64_t> chunk_columns(int64_t N, int64_t Mp, int64_t P, int64_t cap_mib,
+                                                 int64_t max_outputs) {
+  auto round_up = [](int64_t v, int64_t m) { return (v + m - 1) / m * m; };
+  const int64_t N8 = round_up(N, 8), per_col = std::max<int64_t>(1, P) * Mp * 4;
+  const int64_t cap = std::max<int64_t>(8, ((cap_mib << 20) / per_col) / 8 * 8);
+  if (max_outputs > 0 && max_outputs / Mp >= 8) {
+    const int64_t c8 = (std::min(cap, max_outputs / Mp) - 8) / 16 * 16 + 8;  // the widest = 8 (mod 16)
+    const int64_t n_chunks = (N8 + c8 - 1) / c8;
+    const int64_t want = std::max<int64_t>(8, (N8 + n_chunks - 1) / n_chunks);
+    const int64_t w = round_up(want - 8, 16) + 8;  // <= c8: c8 = 8 (mod 16) and want <= c8
+    return {w, w * n_chunks};
+  }
+  const int64_t n_chunks = (N8 + cap - 1) / cap;
+  return {std::min(N8, round_up((N8 + n_chunks - 1) / n_chunks, max_outputs > 0 ? 16 : 8)), N8};
+}
+
+// The CRT way's moduli (crt.h), or 0 for the diagonals: forced by the route, else where the
+// backend has the way and Q GEMMs plus the reconstruction cost less than the diagonals' Sx Sw.
+inline int64_t plan_crt_moduli(bool crt_available, GemmPath mode, double crt_output_macs, int64_t M, int64_t N,
+                               int64_t K, int64_t Sx, int64_t Sw, int bits, std::string* why) {
+  if (!crt_available) {
+    *why = "diagonals: this device has no CRT way";
+    return 0;
+  }
+  if (mode == kPathSlicesDiagonals) {
+    *why = "diagonals: forced by route=slices_diagonals";
+    return 0;
+  }
+  const int64_t Q = crt_moduli_needed(K, int(Sx), int(Sw), bits);
+  if (Q == 0) {
+    *why = "diagonals: no moduli cover the products";
+    return 0;
+  }
+  if (mode == kPathSlicesCrt) {
+    *why = "crt: forced by route=slices_crt";
+    return Q;
+  }
+  const double mn = double(M) * double(N);
+  const double crt_cost = double(Q) * mn * double(K) + crt_output_macs * double(Q) * mn;
+  const bool crt = crt_cost < double(Sx * Sw) * mn * double(K);
+  std::ostringstream s;
+  s << (crt ? "crt: " : "diagonals: ") << Q << " moduli against " << Sx * Sw << " slice pairs (cost table)";
+  *why = s.str();
+  return crt ? Q : 0;
+}
+
+// What a backend contributes to the slices' plan.
+struct SliceTarget {
+  int bits;                   // digit width (8, or 7 where the int8 GEMM could saturate)
+  bool crt_available;         // the backend has the CRT way
+  int64_t chunk_max_outputs;  // chunk_columns' rule (0: none)
+};
+
+// Stage 2: the slices' plan from the summaries sx, sw (host memory, kSumLen int32 each), or, with
+// guess (Sx, Sw) > 0 and null summaries, from that guess. Fills p->slices; the caller falls back
+// to the kernel when !p->slices.worth_it under auto.
+inline void plan_slices_stage(GemmPlan* p, const int32_t* sx, const int32_t* sw, int64_t guess_x, int64_t guess_w,
+                              const SliceTarget& t) {
+  SlicesPlan& s = p->slices;
+  s.planned = true;
+  const SliceCosts& costs = slice_costs(p->device);
+  const int64_t M = p->M, N = p->N, K = p->K;
+  if (sx == nullptr) {
+    s.guessed = true;
+    s.slices_x = guess_x;
+    s.slices_w = guess_w;
+    slice_k_chunks(K, guess_x, guess_w, t.bits, &s.k_chunk, &s.k_chunks);
+    s.wide = false;
+    s.residues_x = s.residues_w = s.kernel_rows_x = s.kernel_rows_w = -1;
+    s.counts_reason = "guessed (plans argument or the cache of this shape); rows needing more are recomputed";
+  } else {
+    plan_slice_counts(sx, sw, M, N, K, t.bits, costs.term_macs, &s);
+    s.worth_it = slices_worth_it(sx, sw, M, N);
+    s.kernel_rows_x = sx[kSumBad];
+    s.kernel_rows_w = sw[kSumBad];
+    s.residues_x = s.slices_x > 0 ? sx[kSumCount + s.slices_x - 1] : 0;
+    s.residues_w = s.slices_w > 0 ? sw[kSumCount + s.slices_w - 1] : 0;
+  }
+  const GemmPath mode = p->options.route == kPathFp64 ? kPathAuto : p->options.route;
+  s.moduli = plan_crt_moduli(t.crt_available, mode, costs.crt_output_macs, M, N, K, s.slices_x, s.slices_w, t.bits,
+                             &s.way_reason);
+  s.sliced_k_chunk = s.moduli > 0 ? (K + 15) / 16 * 16 : s.k_chunk;
+  s.sliced_k_chunks = s.moduli > 0 ? 1 : s.k_chunks;
+  s.diagonals = (s.slices_x > 0 && s.slices_w > 0) ? s.slices_x + s.slices_w - 1 : 0;
+  s.planes = s.moduli > 0 ? s.moduli : s.diagonals * s.sliced_k_chunks;
+  s.rows_padded = std::max<int64_t>(M, 17);
+  std::tie(s.n_chunk, s.n_padded) =
+      chunk_columns(N, s.rows_padded, s.planes, gemm_env().slices_chunk_mib, t.chunk_max_outputs);
+  if (!s.worth_it && mode == kPathAuto) {
+    p->route = GemmRoute::kKernel;
+    p->route_reason += "; then the kernel: most rows of an operand are beyond the slices (wide exponent spread)";
+    p->fallback = "none: the kernel takes any data";
+  }
+}
+
+// The plan as JSON (lightning_det.ops.explain_gemm).
+inline std::string plan_json(const GemmPlan& p) {
+  std::ostringstream o;
+  auto str = [&](const char* k, const std::string& v, bool comma = true) {
+    o << '"' << k << "\": \"";
+    for (char c : v) {
+      if (c == '"' || c == '\\') o << '\\';
+      o << c;
+    }
+    o << '"' << (comma ? ", " : "");
+  };
+  auto num = [&](const char* k, double v) {
+    o << '"' << k << "\": ";
+    if (std::isinf(v)) o << "null";
+    else o << v;
+    o << ", ";
+  };
+  auto integer = [&](const char* k, int64_t v) { o << '"' << k << "\": " << v << ", "; };
+  auto flag = [&](const char* k, bool v) { o << '"' << k << "\": " << (v ? "true" : "false") << ", "; };
+  o << "{";
+  str("route", route_name(p.route));
+  str("route_reason", p.route_reason);
+  str("fallback", p.fallback);
+  str("device", device_name(p.device));
+  str("inputs", p.inputs == InputClass::kFp32 ? "fp32" : "16-bit");
+  str("output", p.digits ? "digits" : "rounded");
+  integer("M", p.M);
+  integer("N", p.N);
+  integer("K", p.K);
+  integer("forced_route", int64_t(p.options.route));
+  integer("plan_x", p.options.plan_x);
+  integer("plan_w", p.options.plan_w);
+  num("cost_kernel", p.cost_kernel);
+  num("cost_slices", p.cost_slices);
+  num("cost_fp64", p.cost_fp64);
+  str("cost_source", p.cost_source);
+  integer("tile_m", p.tiles.tile_m);
+  integer("tile_n", p.tiles.tile_n);
+  integer("k_block", p.tiles.k_block);
+  flag("fp32_split", p.fp32_split);
+  integer("fp64_n_chunk", p.fp64_n_chunk);
+  const SlicesPlan& s = p.slices;
+  flag("slices_planned", s.planned);
+  flag("slices_guessed", s.guessed);
+  integer("slices_x", s.slices_x);
+  integer("slices_w", s.slices_w);
+  integer("residues_x", s.residues_x);
+  integer("residues_w", s.residues_w);
+  integer("kernel_rows_x", s.kernel_rows_x);
+  integer("kernel_rows_w", s.kernel_rows_w);
+  integer("moduli", s.moduli);
+  integer("k_chunk", s.k_chunk);
+  integer("k_chunks", s.k_chunks);
+  integer("n_chunk", s.n_chunk);
+  flag("wide", s.wide);
+  flag("slices_worth_it", s.worth_it);
+  str("counts_reason", s.counts_reason);
+  str("way_reason", s.way_reason, false);
+  o << "}";
+  return o.str();
+}
+
+}  // namespace ldet

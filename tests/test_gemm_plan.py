@@ -1,0 +1,179 @@
+"""The GEMM planner (csrc/gemm_plan.h): explain_gemm names the route of a call and why, the route it
+names is the one det_gemm / det_gemm_partial then run (last_gemm_plan, last_slices_plan,
+last_fp64_counts), forcing options are explicit per call (no process-wide switch), and bad options
+fail with a clear error. Every route gives the same bytes, checked against the exact Python
+reference where a route is forced; the control shows torch.mm differs on those operands."""
+import threading
+
+import pytest
+import torch
+from conftest import assert_bitwise
+
+import gen
+from lightning_det.ops import (
+    det_gemm,
+    det_gemm_partial,
+    explain_gemm,
+    gemm_path,
+    last_fp64_counts,
+    last_gemm_plan,
+    last_slices_plan,
+)
+from lightning_det.reference import longacc_ref as R
+
+
+def wide(shape, seed, lo=-40, hi=40, dtype=torch.float32):
+    """|values| in [1, 2) * 2^e, e uniform in [lo, hi], random signs: beyond the slices' reach."""
+    g = torch.Generator().manual_seed(seed)
+    mant = 1 + torch.rand(shape, generator=g)
+    e = torch.randint(lo, hi + 1, shape, generator=g).to(torch.float32)
+    sign = torch.where(torch.rand(shape, generator=g) < 0.5, -1.0, 1.0)
+    return (sign * mant * torch.exp2(e)).to(dtype)
+
+
+def least_cost_route(plan, digits):
+    """The route the cost table's figures in the plan choose (ties to the earlier route)."""
+    costs = [("kernel", plan.fields["cost_kernel"]), ("slices", plan.fields["cost_slices"])]
+    if not digits:
+        costs.append(("fp64", plan.fields["cost_fp64"]))
+    best = min((c, i, r) for i, (r, c) in enumerate(costs) if c is not None)
+    return best[2]
+
+
+def run_and_compare(x, w, output="rounded", **kw):
+    """explain_gemm's plan, then the call itself and its executed plan."""
+    plan = explain_gemm(x, w, output=output, **kw)
+    if output == "rounded":
+        y = det_gemm(x, w, **kw)
+    else:
+        y = det_gemm_partial(x, w, **kw)
+    ran = last_gemm_plan()
+    assert ran.route == plan.route, (plan, ran)
+    for k in ("slices_x", "slices_w", "moduli"):
+        assert getattr(ran, k) == getattr(plan, k), (k, plan, ran)
+    if plan.route == "slices":
+        lp = last_slices_plan()
+        assert (lp["slices_x"], lp["slices_w"], lp["moduli"]) == (plan.slices_x, plan.slices_w, plan.moduli)
+    return plan, y
+
+
+def test_tiny_fp32_takes_the_kernel():
+    x, w = gen.normal((4, 4), seed=1), gen.normal((3, 4), seed=2)
+    plan, y = run_and_compare(x, w)
+    assert plan.route == "kernel" and plan.route_reason.startswith("auto"), plan
+    assert plan.fields["cost_source"]
+    assert_bitwise(y, R.gemm_rounded(x, w), "tiny")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("output", ["rounded", "digits"])
+def test_normal_data_auto_takes_the_least_cost_route(dtype, output):
+    x, w = gen.normal((96, 128), seed=3).to(dtype), gen.normal((80, 128), seed=4).to(dtype)
+    plan, y = run_and_compare(x, w, output=output)
+    assert plan.route == least_cost_route(plan, output == "digits"), plan
+    assert plan.route_reason.startswith("auto: least cost"), plan
+    if plan.route == "slices":
+        assert plan.slices_x >= 1 and plan.slices_w >= 1 and plan.counts_reason and plan.way_reason, plan
+
+
+def test_wide_exponent_spread_sends_digits_back_to_the_kernel():
+    # fp32 with exponents over [-40, 40]: most rows need more than 8 slices, so under auto the
+    # slices hand the call to the kernel, and the plan says so
+    x, w = wide((48, 256), seed=5), wide((40, 256), seed=6)
+    plan, acc = run_and_compare(x, w, output="digits")
+    assert plan.route == "kernel", plan
+    if plan.fields["slices_planned"]:
+        assert "wide exponent spread" in plan.route_reason, plan
+        assert plan.fields["kernel_rows_x"] > 24, plan
+    with gemm_path("kernel"):
+        ref = det_gemm_partial(x, w)
+    assert torch.equal(acc, ref)
+
+
+def test_wide_data_forced_slices_recompute_rows_on_the_kernel():
+    x, w = wide((48, 256), seed=7), wide((40, 256), seed=8)
+    plan, y = run_and_compare(x, w, route="slices")
+    assert plan.route == "slices" and plan.route_reason == "forced by route=slices", plan
+    assert plan.fields["kernel_rows_x"] > 0 and "kernel" in plan.fallback, plan
+    assert_bitwise(y, R.gemm_rounded(x, w), "wide, slices forced")
+
+
+def test_large_k_cuts_the_diagonals_and_rules_out_crt():
+    # K beyond the CRT way's int32 bound (K 2^14 r^2 < 2^31): the diagonals, in several K-chunks
+    K = 140_000
+    x, w = gen.normal((3, K), seed=9), gen.normal((2, K), seed=10)
+    plan, y = run_and_compare(x, w, route="slices")
+    assert plan.moduli == 0 and plan.slices_way == "diagonals", plan
+    assert "no moduli cover" in plan.way_reason, plan
+    assert plan.fields["k_chunks"] >= 2, plan
+    assert_bitwise(y, det_gemm(x, w, route="kernel"), "K 140000")
+
+
+def test_crt_and_diagonals_forced():
+    x, w = gen.normal((40, 64), seed=11), gen.normal((24, 64), seed=12)
+    ref = R.gemm_rounded(x, w)
+    crt, y_crt = run_and_compare(x, w, route="slices_crt")
+    diag, y_diag = run_and_compare(x, w, route="slices_diagonals")
+    assert crt.slices_way == "crt" and crt.moduli > 0, crt
+    assert diag.slices_way == "diagonals" and "forced" in diag.way_reason, diag
+    assert_bitwise(y_crt, ref, "crt")
+    assert_bitwise(y_diag, ref, "diagonals")
+
+
+def test_fp64_forced_for_rounded_outputs_only():
+    x, w = gen.normal((33, 300), seed=13), gen.normal((17, 300), seed=14)
+    plan, y = run_and_compare(x, w, route="fp64")
+    assert plan.route == "fp64" and plan.route_reason == "forced by route=fp64", plan
+    assert plan.fields["fp64_n_chunk"] == 17 and "long accumulator" in plan.fallback, plan
+    assert last_fp64_counts()["undecided"] >= 0
+    assert_bitwise(y, R.gemm_rounded(x, w), "fp64")
+    digits = explain_gemm(x, w, output="digits", route="fp64")
+    assert digits.route != "fp64" and digits.route_reason.startswith("auto"), digits
+
+
+def test_plain_torch_differs_on_these_operands():
+    # the control: the ordinary float GEMM is not the exact sum rounded once on such data
+    x, w = wide((48, 256), seed=7), wide((40, 256), seed=8)
+    assert not torch.equal(x @ w.T, R.gemm_rounded(x, w))
+
+
+def test_forcing_is_explicit_per_call_and_per_thread():
+    x, w = gen.normal((8, 16), seed=15), gen.normal((8, 16), seed=16)
+    assert explain_gemm(x, w, route="kernel").route == "kernel"
+    assert explain_gemm(x, w, route="slices").route == "slices"
+    seen = {}
+
+    def other_thread():
+        seen["plan"] = explain_gemm(x, w)
+        det_gemm(x, w)
+        seen["ran"] = last_gemm_plan()
+
+    with gemm_path("slices"):
+        assert explain_gemm(x, w).route_reason == "forced by route=slices"
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+        det_gemm(x, w, route="kernel")  # the argument wins over the block
+        assert last_gemm_plan().route == "kernel"
+    assert seen["plan"].route_reason.startswith("auto"), seen["plan"]
+    assert seen["ran"].route_reason.startswith("auto"), seen["ran"]
+
+
+def test_bad_options_fail_clearly():
+    x, w = gen.normal((4, 8), seed=17), gen.normal((3, 8), seed=18)
+    with pytest.raises(ValueError, match="route: expected one of"):
+        explain_gemm(x, w, route="fast")
+    with pytest.raises(ValueError, match="route: expected one of"):
+        det_gemm(x, w, route="fp32")
+    with pytest.raises(ValueError, match="plans: expected a tuple"):
+        explain_gemm(x, w, plans=(0, 9))
+    with pytest.raises(ValueError, match="output: expected"):
+        explain_gemm(x, w, output="bits")
+    from lightning_det.ops._registry import ldet
+
+    with pytest.raises(ValueError, match="route: expected 0 \\(auto\\)"):
+        ldet().gemm(x, w, None, None, [-1, -1, 9])
+    with pytest.raises(ValueError, match="options: expected"):
+        ldet().gemm(x, w, None, None, [-1, -1, 0, 0])
+    with pytest.raises(ValueError, match="plans: expected"):
+        ldet().explain_gemm(x, w, False, [3, 0, 0])
