@@ -177,3 +177,15 @@ def test_bad_options_fail_clearly():
         ldet().gemm(x, w, None, None, [-1, -1, 0, 0])
     with pytest.raises(ValueError, match="plans: expected"):
         ldet().explain_gemm(x, w, False, [3, 0, 0])
+
+
+def test_cpu_fp32_rounded_takes_the_fp64_route_from_128_cubed():
+    # the CPU cost table (benchmarks/results/cpu-gemm_routes.json): fp64 ahead of the slices for
+    # rounded fp32 outputs from 128^3; digits outputs cannot take it
+    x, w = gen.normal((128, 128), seed=19), gen.normal((128, 128), seed=20)
+    plan, y = run_and_compare(x, w)
+    assert plan.route == "fp64", plan
+    assert explain_gemm(x, w, output="digits").route == "slices"
+    small = explain_gemm(x[:64], w[:64])
+    assert small.route == "slices", small  # 64 x 64 x 128 = 2^19: below the fp64 row
+    assert_bitwise(y, det_gemm(x, w, route="kernel"), "128^3")

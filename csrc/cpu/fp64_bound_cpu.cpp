@@ -1,8 +1,9 @@
 // CPU kernels of the fp64 route (scheme and proof: csrc/fp64_bound.h; driver: fp64_bound_host.h).
 //
-// Not the CPU's auto choice (its integer slices stay): the route runs here when a gemm_path
-// forces it, so CPU CI checks the decision and the recomputation the GPU runs, on the same
-// header's arithmetic, against the long accumulator. No lists: fix sweeps the output's marks.
+// The CPU's auto choice for rounded outputs with an fp32 operand from 128^3 (the cost table,
+// csrc/gemm_plan.h), and what CPU CI checks of the decision and the recomputation the GPU runs,
+// on the same header's arithmetic, against the long accumulator. No lists: fix sweeps the
+// output's marks.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
