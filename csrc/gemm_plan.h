@@ -23,9 +23,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -344,10 +344,9 @@ inline GemmPlan plan_gemm(int64_t M, int64_t N, int64_t K, bool x_fp32, bool w_f
       best = p.cost_slices;
     }
     if (fp64_ok && p.cost_fp64 < best) want = GemmRoute::kFp64;
-    std::ostringstream why;
-    why << "auto: least cost for " << device_name(device) << ", " << (p.inputs == InputClass::kFp32 ? "fp32" : "16-bit")
-        << " inputs, M N K = 2^" << std::ilogb(work) << (digits ? ", digits" : ", rounded") << " (" << p.cost_source << ")";
-    p.route_reason = why.str();
+    p.route_reason = std::string("auto: least cost for ") + device_name(device) + ", " +
+                     (p.inputs == InputClass::kFp32 ? "fp32" : "16-bit") + " inputs, M N K = 2^" +
+                     std::to_string(std::ilogb(work)) + (digits ? ", digits" : ", rounded") + " (" + p.cost_source + ")";
   }
   p.route = want;
   if (want == GemmRoute::kSlices) {
@@ -457,9 +456,8 @@ inline int64_t plan_crt_moduli(bool crt_available, GemmPath mode, double crt_out
   const double mn = double(M) * double(N);
   const double crt_cost = double(Q) * mn * double(K) + crt_output_macs * double(Q) * mn;
   const bool crt = crt_cost < double(Sx * Sw) * mn * double(K);
-  std::ostringstream s;
-  s << (crt ? "crt: " : "diagonals: ") << Q << " moduli against " << Sx * Sw << " slice pairs (cost table)";
-  *why = s.str();
+  *why = std::string(crt ? "crt: " : "diagonals: ") + std::to_string(Q) + " moduli against " + std::to_string(Sx * Sw) +
+         " slice pairs (cost table)";
   return crt ? Q : 0;
 }
 
@@ -513,25 +511,44 @@ inline void plan_slices_stage(GemmPlan* p, const int32_t* sx, const int32_t* sw,
 }
 
 // The plan as JSON (lightning_det.ops.explain_gemm).
+// Built with std::string alone: iostreams in the CUDA extension's host code crashed there (the
+// first formatted insertion segfaulted inside the library's locale code on the H200's build).
 inline std::string plan_json(const GemmPlan& p) {
-  std::ostringstream o;
+  std::string o;
+  auto key = [&](const char* k) {
+    o += '"';
+    o += k;
+    o += "\": ";
+  };
   auto str = [&](const char* k, const std::string& v, bool comma = true) {
-    o << '"' << k << "\": \"";
+    key(k);
+    o += '"';
     for (char c : v) {
-      if (c == '"' || c == '\\') o << '\\';
-      o << c;
+      if (c == '"' || c == '\\') o += '\\';
+      o += c;
     }
-    o << '"' << (comma ? ", " : "");
+    o += comma ? "\", " : "\"";
   };
   auto num = [&](const char* k, double v) {
-    o << '"' << k << "\": ";
-    if (std::isinf(v)) o << "null";
-    else o << v;
-    o << ", ";
+    key(k);
+    if (std::isinf(v)) {
+      o += "null";
+    } else {
+      char buf[32];
+      std::snprintf(buf, sizeof buf, "%.6g", v);
+      o += buf;
+    }
+    o += ", ";
   };
-  auto integer = [&](const char* k, int64_t v) { o << '"' << k << "\": " << v << ", "; };
-  auto flag = [&](const char* k, bool v) { o << '"' << k << "\": " << (v ? "true" : "false") << ", "; };
-  o << "{";
+  auto integer = [&](const char* k, int64_t v) {
+    key(k);
+    o += std::to_string(v) + ", ";
+  };
+  auto flag = [&](const char* k, bool v) {
+    key(k);
+    o += v ? "true, " : "false, ";
+  };
+  o += "{";
   str("route", route_name(p.route));
   str("route_reason", p.route_reason);
   str("fallback", p.fallback);
@@ -570,8 +587,8 @@ inline std::string plan_json(const GemmPlan& p) {
   flag("slices_worth_it", s.worth_it);
   str("counts_reason", s.counts_reason);
   str("way_reason", s.way_reason, false);
-  o << "}";
-  return o.str();
+  o += "}";
+  return o;
 }
 
 }  // namespace ldet
