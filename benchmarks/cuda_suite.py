@@ -48,6 +48,7 @@ SPECS = [
     ("test_eager_rounding", "cuda"),
     ("test_fp64_route", ""),
     ("test_gelu_fast", ""),
+    ("test_gemm_plan", "cuda"),
     ("test_gpt_char", "cuda"),
     ("test_int_slices", "cuda"),
     ("test_keyed_dropout", "cuda"),

@@ -189,3 +189,20 @@ def test_cpu_fp32_rounded_takes_the_fp64_route_from_128_cubed():
     small = explain_gemm(x[:64], w[:64])
     assert small.route == "slices", small  # 64 x 64 x 128 = 2^19: below the fp64 row
     assert_bitwise(y, det_gemm(x, w, route="kernel"), "128^3")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("route", [None, "kernel", "slices", "slices_crt", "slices_diagonals", "fp64"])
+def test_cuda_plans_name_the_route_and_match_the_cpu(dtype, route):
+    # the CUDA planner: explain_gemm and the executed plan agree, the device is named, and every
+    # route gives the CPU's bytes (rounded and digits)
+    x, w = gen.normal((72, 160), seed=21).to(dtype), gen.normal((56, 160), seed=22).to(dtype)
+    xc, wc = x.cuda(), w.cuda()
+    for output in ("rounded", "digits"):
+        plan, y = run_and_compare(xc, wc, output=output, route=route)
+        assert plan.fields["device"] == "cuda", plan
+        if route is None:
+            assert plan.route_reason.startswith("auto"), plan
+        ref = det_gemm(x, w) if output == "rounded" else det_gemm_partial(x, w)
+        assert torch.equal(y.cpu(), ref), (output, plan)
