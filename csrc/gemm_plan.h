@@ -165,26 +165,29 @@ struct CostRow {
   const char* source;
 };
 
-// The CPU's fp64 route (fp32 inputs, rounded outputs): 1 / 0.38, the median over 128^3, 256^3
-// and 512^3 of benchmarks/results/cpu-gemm_routes.json (0.38x, 0.47x, 0.29x torch.mm fp32), one
-// run in interleaved rounds on the shared 2-core machine under a load of ~10. There the slices
-// fell to 0.009-0.14x (their int8 GEMMs suffer most from the oversubscription) while the fp64
-// route's ratio stayed near its ceiling (an fp64 GEMM at half the fp32 rate); idle, the slices
-// ran at 0.33x (cpu-gemm.json), the figure kept for them. 16-bit inputs: the kernel stayed ahead
-// of the fp64 route at every size of that run (0.57-0.30x against 0.32-0.29x).
-inline constexpr const char* kCpuFp64Source =
-    "kernel, slices: cpu-gemm.json fp32 512^3; fp64: cpu-gemm_routes.json, median of 128^3-512^3";
+// The CPU without the AVX-512 forms: benchmarks/results/cpu-gemm_routes.json (2 threads, idle,
+// routes interleaved per round), 1 / ratio_vs_fp32_mm, medians over 8^3-32^3, 64^3-256^3 and
+// 512^3. The slices' int8 GEMMs there run at a fraction of the VNNI machine's (0.005-0.12x
+// torch.mm fp32), so rounded fp32 outputs take the fp64 route and 16-bit inputs the kernel.
+inline constexpr const char* kCpuRoutesSource = "cpu-gemm_routes.json (no AVX-512)";
+// With the AVX-512 forms: the slices from benchmarks/results/cpu-gemm.json (fp32 and bf16 at
+// 512^3, a VNNI machine); the kernel and the fp64 route from cpu-gemm_routes.json, measured
+// without AVX-512 (neither has AVX-512 forms of its own; the fp64 GEMM is the BLAS's, so the
+// figure is a bound from above). Below 512^3 the slices' figure is not measured there.
+inline constexpr const char* kCpuAvx512Source = "slices: cpu-gemm.json 512^3; kernel, fp64: cpu-gemm_routes.json";
 
 // clang-format off
 inline constexpr CostRow kCostTable[] = {
-  // CPU, 2 threads (oneDNN VNNI int8): benchmarks/gemm.py --device cpu, ratios in one run.
-  {GemmDevice::kCpu, InputClass::kFp32, 0, 1, 2, kNoFigure, false, "kernel below 32^3 (fixed costs of the slices)"},
-  {GemmDevice::kCpu, InputClass::kFp32, 15, 25.6, 3.05, kNoFigure, true, "cpu-gemm.json fp32 512^3"},
-  {GemmDevice::kCpu, InputClass::kFp32, 21, 25.6, 3.05, 2.63, true, kCpuFp64Source},
-  {GemmDevice::kCpu, InputClass::k16Bit, 0, 8.6, 16.6, kNoFigure, true, "bf16 512^3 ms, no AVX-512 forms"},
-  {GemmDevice::kCpuAvx512, InputClass::kFp32, 0, 1, 2, kNoFigure, false, "kernel below 32^3 (fixed costs of the slices)"},
-  {GemmDevice::kCpuAvx512, InputClass::kFp32, 15, 25.6, 3.05, kNoFigure, true, "cpu-gemm.json fp32 512^3"},
-  {GemmDevice::kCpuAvx512, InputClass::kFp32, 21, 25.6, 3.05, 2.63, true, kCpuFp64Source},
+  // CPU, 2 threads.
+  {GemmDevice::kCpu, InputClass::kFp32, 0, 14.1, 8.7, 4.3, true, kCpuRoutesSource},
+  {GemmDevice::kCpu, InputClass::kFp32, 18, 21.0, 133, 5.4, true, kCpuRoutesSource},
+  {GemmDevice::kCpu, InputClass::kFp32, 27, 20.5, 192, 2.84, true, kCpuRoutesSource},
+  {GemmDevice::kCpu, InputClass::k16Bit, 0, 5.4, 7.4, 5.7, true, kCpuRoutesSource},
+  {GemmDevice::kCpu, InputClass::k16Bit, 18, 4.85, 73.5, 10.7, true, kCpuRoutesSource},
+  {GemmDevice::kCpu, InputClass::k16Bit, 27, 3.7, 159, 6.6, true, kCpuRoutesSource},
+  {GemmDevice::kCpuAvx512, InputClass::kFp32, 0, 14.1, kNoFigure, 4.3, true, kCpuAvx512Source},
+  {GemmDevice::kCpuAvx512, InputClass::kFp32, 18, 21.0, kNoFigure, 5.4, true, kCpuAvx512Source},
+  {GemmDevice::kCpuAvx512, InputClass::kFp32, 27, 25.6, 3.05, 2.84, true, kCpuAvx512Source},
   {GemmDevice::kCpuAvx512, InputClass::k16Bit, 0, 1.0, 1.0, kNoFigure, true, "bf16 128^3 ms: a tie"},
   {GemmDevice::kCpuAvx512, InputClass::k16Bit, 21, 3.94, 2.04, kNoFigure, true, "cpu-gemm.json bf16 512^3"},
   // CUDA, one H200 (cuBLASLt int8 and fp64).

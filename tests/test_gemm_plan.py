@@ -11,6 +11,7 @@ from conftest import assert_bitwise
 
 import gen
 from lightning_det.ops import (
+    det_finalize,
     det_gemm,
     det_gemm_partial,
     explain_gemm,
@@ -57,12 +58,16 @@ def run_and_compare(x, w, output="rounded", **kw):
     return plan, y
 
 
-def test_tiny_fp32_takes_the_kernel():
+def test_tiny_fp32_takes_the_fp64_route_rounded_and_another_for_digits():
+    # the CPU table: the fp64 route's fixed costs are the smallest; digits outputs cannot take it
     x, w = gen.normal((4, 4), seed=1), gen.normal((3, 4), seed=2)
     plan, y = run_and_compare(x, w)
-    assert plan.route == "kernel" and plan.route_reason.startswith("auto"), plan
+    assert plan.route == "fp64" and plan.route_reason.startswith("auto"), plan
     assert plan.fields["cost_source"]
     assert_bitwise(y, R.gemm_rounded(x, w), "tiny")
+    plan, acc = run_and_compare(x, w, output="digits")
+    assert plan.route == least_cost_route(plan, True) != "fp64", plan
+    assert torch.equal(det_finalize(acc), y)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -81,7 +86,7 @@ def test_wide_exponent_spread_sends_digits_back_to_the_kernel():
     # slices hand the call to the kernel, and the plan says so
     x, w = wide((48, 256), seed=5), wide((40, 256), seed=6)
     plan, acc = run_and_compare(x, w, output="digits")
-    assert plan.route == "kernel", plan
+    assert plan.route == least_cost_route(plan, True) != "fp64", plan
     if plan.fields["slices_planned"]:
         assert "wide exponent spread" in plan.route_reason, plan
         assert plan.fields["kernel_rows_x"] > 24, plan
@@ -179,16 +184,17 @@ def test_bad_options_fail_clearly():
         ldet().explain_gemm(x, w, False, [3, 0, 0])
 
 
-def test_cpu_fp32_rounded_takes_the_fp64_route_from_128_cubed():
-    # the CPU cost table (benchmarks/results/cpu-gemm_routes.json): fp64 ahead of the slices for
-    # rounded fp32 outputs from 128^3; digits outputs cannot take it
-    x, w = gen.normal((128, 128), seed=19), gen.normal((128, 128), seed=20)
+@pytest.mark.parametrize("n", [16, 64, 128])
+def test_cpu_fp32_rounded_takes_the_fp64_route(n):
+    # the CPU cost table (benchmarks/results/cpu-gemm_routes.json): the fp64 route ahead of the
+    # kernel and the slices for rounded fp32 outputs at every size measured; digits outputs cannot
+    # take it and go to the least cost of the others
+    x, w = gen.normal((n, n), seed=19), gen.normal((n, n), seed=20)
     plan, y = run_and_compare(x, w)
     assert plan.route == "fp64", plan
-    assert explain_gemm(x, w, output="digits").route == "slices"
-    small = explain_gemm(x[:64], w[:64])
-    assert small.route == "slices", small  # 64 x 64 x 128 = 2^19: below the fp64 row
-    assert_bitwise(y, det_gemm(x, w, route="kernel"), "128^3")
+    digits = explain_gemm(x, w, output="digits")
+    assert digits.route == least_cost_route(digits, True), digits
+    assert_bitwise(y, det_gemm(x, w, route="kernel"), f"{n}^3")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
