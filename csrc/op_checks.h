@@ -61,4 +61,15 @@ inline void check_gemm_args(const at::Tensor& x, const at::Tensor& w, const c10:
   }
 }
 
+// gemm_batched's operands: x (B, M, K) and w (B, N, K) of one float dtype each, one device.
+inline void check_gemm_batched_args(const at::Tensor& x, const at::Tensor& w) {
+  check_float_input(x, "x");
+  check_float_input(w, "w");
+  TORCH_CHECK(x.dim() == 3, "x: expected a 3-D (B, M, K) tensor, got shape ", x.sizes());
+  TORCH_CHECK(w.dim() == 3, "w: expected a 3-D (B, N, K) tensor, got shape ", w.sizes());
+  TORCH_CHECK(x.size(0) == w.size(0) && x.size(2) == w.size(2), "w: expected (B, N, K) with B = ", x.size(0),
+              " and K = ", x.size(2), " to match x, got shape ", w.sizes());
+  TORCH_CHECK(x.device() == w.device(), "w: expected device ", x.device(), " to match x, got ", w.device());
+}
+
 }  // namespace ldet

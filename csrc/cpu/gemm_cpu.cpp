@@ -326,6 +326,19 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& w, const c10::optiona
   return gemm_common_cpu<true>(x, w, bias, 0, out_dtype.value_or(at::kFloat), options);
 }
 
+// Slice by slice, each exactly as gemm runs it.
+at::Tensor gemm_batched_cpu(const at::Tensor& x, const at::Tensor& w, c10::optional<at::ScalarType> out_dtype,
+                            at::IntArrayRef options) {
+  check_gemm_batched_args(x, w);
+  const at::ScalarType dt = out_dtype.value_or(at::kFloat);
+  out_format(dt);  // a bad dtype fails before any slice runs
+  checked_options(options);
+  at::Tensor out = at::empty({x.size(0), x.size(1), w.size(1)}, x.options().dtype(dt));
+  for (int64_t b = 0; b < x.size(0); ++b)
+    out.select(0, b).copy_(gemm_common_cpu<true>(x.select(0, b), w.select(0, b), c10::nullopt, 0, dt, options));
+  return out;
+}
+
 // The plan a gemm (digits false) / gemm_partial (true) call would run, as JSON (explain_gemm).
 std::string explain_gemm_cpu(const at::Tensor& x, const at::Tensor& w, bool digits, at::IntArrayRef options) {
   check_gemm_args(x, w, c10::nullopt);
@@ -337,6 +350,7 @@ std::string explain_gemm_cpu(const at::Tensor& x, const at::Tensor& w, bool digi
 TORCH_LIBRARY_IMPL(ldet, CPU, m) {
   m.impl("gemm_partial", &ldet::ieee_op<&gemm_partial_cpu>::call);
   m.impl("gemm", &ldet::ieee_op<&gemm_cpu>::call);
+  m.impl("gemm_batched", &ldet::ieee_op<&gemm_batched_cpu>::call);
   m.impl("explain_gemm", &explain_gemm_cpu);
 }
 

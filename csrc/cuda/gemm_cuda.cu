@@ -272,6 +272,7 @@ struct GemmCta {
   const int32_t* __restrict__ xs;
   const int32_t* __restrict__ ws;
   int64_t M, N, K, interval;
+  int64_t xs_ld, ws_ld;  // a K-block's statistics: every slice's rows (gridDim.z M), then columns
   bool vec_ok;
   double* dyn_smem;  // kStages x (x block, w block) as fp64, then S (and H) when kSShared
   Shared& sh;
@@ -291,11 +292,15 @@ struct GemmCta {
 
   static_assert(BM + BN == THREADS && BM == 64 && BN == 64, "one statistic per thread; warps 0-1 rows, 2-3 columns");
 
+  // Slice blockIdx.z of a batched call (gemm_batched): its operands, statistics and outputs lie
+  // at z times one slice's extent; a plain call has one slice.
   __device__ __forceinline__ GemmCta(const T* x_, const T* w_, const int32_t* xs_, const int32_t* ws_, int64_t M_,
                                      int64_t N_, int64_t K_, int64_t interval_, bool vec_ok_, double* smem,
                                      Shared& shared)
-      : x(x_), w(w_), xs(xs_), ws(ws_), M(M_), N(N_), K(K_), interval(interval_), vec_ok(vec_ok_), dyn_smem(smem),
-        sh(shared) {
+      : x(x_ + int64_t(blockIdx.z) * M_ * K_), w(w_ + int64_t(blockIdx.z) * N_ * K_),
+        xs(xs_ + int64_t(blockIdx.z) * M_), ws(ws_ + int64_t(blockIdx.z) * N_), M(M_), N(N_), K(K_),
+        interval(interval_), xs_ld(int64_t(gridDim.z) * M_), ws_ld(int64_t(gridDim.z) * N_), vec_ok(vec_ok_),
+        dyn_smem(smem), sh(shared) {
     lane = threadIdx.x % 32;
     warp = threadIdx.x / 32;
     wm = (warp / 2) * WM;
@@ -373,8 +378,8 @@ struct GemmCta {
     sx.load(x, M, K, m0, kb * BK, vec_ok);
     sw.load(w, N, K, n0, kb * BK, vec_ok);
     const int t = threadIdx.x;
-    if (t < BM) st = (m0 + t < M) ? xs[kb * M + m0 + t] : pack_stat(kStatEmpty, 0);
-    else st = (n0 + t - BM < N) ? ws[kb * N + n0 + t - BM] : pack_stat(kStatEmpty, 0);
+    if (t < BM) st = (m0 + t < M) ? xs[kb * xs_ld + m0 + t] : pack_stat(kStatEmpty, 0);
+    else st = (n0 + t - BM < N) ? ws[kb * ws_ld + n0 + t - BM] : pack_stat(kStatEmpty, 0);
   }
 
   // Stage: the prefetched block (registers) into stage s, with its statistics and their group maxima.
@@ -510,6 +515,7 @@ struct GemmCta {
       const int tm = o / (TN * 2), j = o % (TN * 2);
       const int64_t gm = m0 + wm + tm * 8 + fr, gn = n0 + wn + (j / 2) * 8 + 2 * fc + (j % 2);
       if (gm >= M || gn >= N) continue;
+      const int64_t idx = (int64_t(blockIdx.z) * M + gm) * N + gn;  // slice blockIdx.z's (gm, gn)
       const bool was_touched = (touched >> o) & 1u;
       const double h = kSegH ? H(o) : 0.0;
       if (kFinalize && out_fmt == kFmtF32 && !was_touched) {
@@ -519,11 +525,11 @@ struct GemmCta {
         double hi, lo;
         float f;
         if (is_finite(v[2]) && exact_pair_sum(v, 3, &hi, &lo) && round_pair_to_fp32(hi, lo, &f)) {
-          static_cast<float*>(out_f)[gm * N + gn] = f;
+          static_cast<float*>(out_f)[idx] = f;
           continue;
         }
       }
-      finish_output<kFinalize>(S(o), h, dig[o], was_touched, bias, gn, interval, gm * N + gn, out_fmt, out_f, out_d);
+      finish_output<kFinalize>(S(o), h, dig[o], was_touched, bias, gn, interval, idx, out_fmt, out_f, out_d);
     }
   }
 };
@@ -619,29 +625,32 @@ bool prepare_smem(int dev, Kernel kernel, size_t dyn_bytes, int* optin_out) {
   return true;
 }
 
+// x (batch M, K), w (batch N, K): `batch` slices of M and N rows, one launch (grid z).
 template <typename T, bool kFinalize>
 void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& xs, const at::Tensor& ws, const double* bias,
-            int64_t nkb, int64_t interval, int64_t seg, int out_fmt, at::Tensor& out) {
-  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+            int64_t nkb, int64_t interval, int64_t seg, int out_fmt, at::Tensor& out, int64_t batch) {
+  const int64_t M = x.size(0) / batch, N = w.size(0) / batch, K = x.size(1);
   auto stream = c10::cuda::getCurrentCUDAStream();
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
   const T* wp = reinterpret_cast<const T*>(w.data_ptr());
   const int st_threads = 256;
-  if (M * nkb > 0) {
-    stats_kernel<T><<<unsigned((M * nkb + st_threads - 1) / st_threads), st_threads, 0, stream>>>(
-        xp, M, K, nkb, xs.data_ptr<int32_t>());
+  const int64_t Mb = batch * M, Nb = batch * N;  // every slice's rows: one statistics pass each
+  if (Mb * nkb > 0) {
+    stats_kernel<T><<<unsigned((Mb * nkb + st_threads - 1) / st_threads), st_threads, 0, stream>>>(
+        xp, Mb, K, nkb, xs.data_ptr<int32_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  if (N * nkb > 0) {
-    stats_kernel<T><<<unsigned((N * nkb + st_threads - 1) / st_threads), st_threads, 0, stream>>>(
-        wp, N, K, nkb, ws.data_ptr<int32_t>());
+  if (Nb * nkb > 0) {
+    stats_kernel<T><<<unsigned((Nb * nkb + st_threads - 1) / st_threads), st_threads, 0, stream>>>(
+        wp, Nb, K, nkb, ws.data_ptr<int32_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   TORCH_CHECK((M + BM - 1) / BM < 65536, "x: M = ", M, " exceeds this kernel's grid limit of ", 65535 * BM, " rows");
+  TORCH_CHECK(batch < 65536, "x: ", batch, " slices exceed this kernel's grid limit of 65535");
   constexpr int VEC = 16 / sizeof(T);
   const bool vec_ok = K % VEC == 0 && reinterpret_cast<uintptr_t>(xp) % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(wp) % 16 == 0;
-  dim3 grid(unsigned((N + BN - 1) / BN), unsigned((M + BM - 1) / BM));
+  dim3 grid(unsigned((N + BN - 1) / BN), unsigned((M + BM - 1) / BM), unsigned(batch));
   int dev = 0, optin = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   void* out_f = kFinalize ? out.data_ptr() : nullptr;
@@ -667,10 +676,12 @@ void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& xs, cons
 }
 
 // The long-accumulator kernel (csrc/gemm_common.h): the kernel route, and the rows the slices
-// cannot hold.
+// cannot hold. batch > 1 (gemm_batched, no bias): x (batch M, K) and w (batch N, K) hold `batch`
+// slices, the result (batch M, N) their products, one launch; splitting and statistics are per
+// row, so a slice's bytes cannot depend on the others.
 template <bool kFinalize>
 at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias,
-                            int64_t norm_interval, at::ScalarType out_dtype) {
+                            int64_t norm_interval, at::ScalarType out_dtype, int64_t batch = 1) {
   // Mixed input dtypes: widen both to fp32 (exact), so one kernel type serves.
   at::Tensor x = x_in, w = w_in;
   if (x.scalar_type() != w.scalar_type()) {
@@ -685,13 +696,13 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& w_in, cons
   }
   x = x.contiguous();
   w = w.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0) / batch;  // M: every slice's rows
   const int64_t nkb = (K + BK - 1) / BK;
   const int64_t interval = norm_interval > 0 ? norm_interval : LDET_NORM_INTERVAL;
   at::Tensor bd;
   if (bias.has_value()) bd = bias->to(at::kDouble).contiguous();
   at::Tensor xs = at::empty({M * nkb}, x.options().dtype(at::kInt));
-  at::Tensor ws = at::empty({N * nkb}, x.options().dtype(at::kInt));
+  at::Tensor ws = at::empty({batch * N * nkb}, x.options().dtype(at::kInt));
   at::Tensor out = kFinalize ? at::empty({M, N}, x.options().dtype(out_dtype))
                              : at::empty({M, N, LDET_WORDS}, x.options().dtype(at::kLong));
   if (M * N == 0) return out;
@@ -699,13 +710,13 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& w_in, cons
   const int fmt = out_format(out_dtype);
   switch (x.scalar_type()) {
     case at::kFloat:
-      launch<float, kFinalize>(x, w, xs, ws, bp, nkb, interval, seg, fmt, out);
+      launch<float, kFinalize>(x, w, xs, ws, bp, nkb, interval, seg, fmt, out, batch);
       break;
     case at::kBFloat16:
-      launch<__nv_bfloat16, kFinalize>(x, w, xs, ws, bp, nkb, interval, seg, fmt, out);
+      launch<__nv_bfloat16, kFinalize>(x, w, xs, ws, bp, nkb, interval, seg, fmt, out, batch);
       break;
     default:
-      launch<__half, kFinalize>(x, w, xs, ws, bp, nkb, interval, seg, fmt, out);
+      launch<__half, kFinalize>(x, w, xs, ws, bp, nkb, interval, seg, fmt, out, batch);
       break;
   }
   return out;
@@ -744,6 +755,29 @@ at::Tensor gemm_cuda(const at::Tensor& x, const at::Tensor& w, const c10::option
   return gemm_common_cuda<true>(x, w, bias, 0, out_dtype.value_or(at::kFloat), options);
 }
 
+// Under route auto or kernel, every slice in one launch of the long-accumulator kernel (a
+// per-slice plan would launch each slice's routes in turn: attention's many small slices);
+// under a forced other route, slice by slice as gemm runs it.
+at::Tensor gemm_batched_cuda(const at::Tensor& x, const at::Tensor& w, c10::optional<at::ScalarType> out_dtype,
+                             at::IntArrayRef options) {
+  check_gemm_batched_args(x, w);
+  const at::ScalarType dt = out_dtype.value_or(at::kFloat);
+  out_format(dt);  // a bad dtype fails before any slice runs
+  const GemmOptions opt = checked_options(options);
+  c10::cuda::CUDAGuard guard(x.device());
+  const int64_t B = x.size(0), M = x.size(1), N = w.size(1), K = x.size(2);
+  if (opt.route == kPathAuto || opt.route == kPathKernel) {
+    if (B == 0 || M == 0 || N == 0) return at::empty({B, M, N}, x.options().dtype(dt));
+    const at::Tensor y =
+        gemm_kernel_cuda<true>(x.reshape({B * M, K}), w.reshape({B * N, K}), c10::nullopt, 0, dt, B);
+    return y.view({B, M, N});
+  }
+  at::Tensor out = at::empty({B, M, N}, x.options().dtype(dt));
+  for (int64_t b = 0; b < B; ++b)
+    out.select(0, b).copy_(gemm_common_cuda<true>(x.select(0, b), w.select(0, b), c10::nullopt, 0, dt, options));
+  return out;
+}
+
 // The plan a gemm (digits false) / gemm_partial (true) call would run, as JSON (explain_gemm).
 std::string explain_gemm_cuda(const at::Tensor& x, const at::Tensor& w, bool digits, at::IntArrayRef options) {
   check_gemm_args(x, w, c10::nullopt);
@@ -757,6 +791,7 @@ std::string explain_gemm_cuda(const at::Tensor& x, const at::Tensor& w, bool dig
 TORCH_LIBRARY_IMPL(ldet, CUDA, m) {
   m.impl("gemm_partial", &gemm_partial_cuda);
   m.impl("gemm", &gemm_cuda);
+  m.impl("gemm_batched", &gemm_batched_cuda);
   m.impl("explain_gemm", &explain_gemm_cuda);
 }
 

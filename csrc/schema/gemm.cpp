@@ -67,6 +67,11 @@ TORCH_LIBRARY_FRAGMENT(ldet, m) {
   // The same exact sum rounded once, to nearest-even, straight to out_dtype (default float32;
   // bfloat16 / float16 are never rounded through fp32 first): (M, N).
   m.def("gemm(Tensor x, Tensor w, Tensor? bias=None, ScalarType? out_dtype=None, int[] options=[-1, -1, 0]) -> Tensor");
+  // Batched: x (B, M, K), w (B, N, K) -> (B, M, N) of out_dtype, slice b byte for byte gemm(x[b],
+  // w[b]): each slice's exact sums rounded once, whatever B. On CUDA, under route auto or kernel,
+  // one launch of the long-accumulator kernel covers every slice; elsewhere the slices run one
+  // after another, each planned as gemm plans it.
+  m.def("gemm_batched(Tensor x, Tensor w, ScalarType? out_dtype=None, int[] options=[-1, -1, 0]) -> Tensor");
   // The plan a gemm (digits false) or gemm_partial (true) call with these operands and options
   // would run, as JSON (csrc/gemm_plan.h, plan_json); runs the planner only (and, for the
   // slices, both operands' row summaries).

@@ -14,6 +14,7 @@ from .longacc import (
     LongAcc,
     det_combine,
     det_finalize,
+    det_bmm,
     det_gemm,
     det_gemm_partial,
     det_normalize,
@@ -29,6 +30,7 @@ from .sums import det_col_sums, det_row_sums
 
 __all__ = [
     "LongAcc",
+    "det_bmm",
     "det_gemm",
     "det_gemm_partial",
     "det_linear",

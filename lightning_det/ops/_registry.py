@@ -33,6 +33,10 @@ def _register_longacc(lib: str) -> None:
     def _(x, w, bias=None, out_dtype=None, options=(-1, -1, 0)):
         return x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype or torch.float32)
 
+    @torch.library.register_fake(lib + "gemm_batched")
+    def _(x, w, out_dtype=None, options=(-1, -1, 0)):
+        return x.new_empty((x.shape[0], x.shape[1], w.shape[1]), dtype=out_dtype or torch.float32)
+
     @torch.library.register_fake(lib + "normalize")
     def _(acc):
         return torch.empty_like(acc)

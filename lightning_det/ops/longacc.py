@@ -16,6 +16,7 @@ import contextlib
 import contextvars
 import dataclasses
 import json
+import math
 from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
@@ -140,6 +141,48 @@ def det_gemm(
         raise TypeError(f"out_dtype: expected torch.float32, torch.bfloat16 or torch.float16, got {out_dtype}")
     y = _ops().gemm(x2, w, bias, out_dtype, _plans_arg(plans, route))
     return y.reshape(*lead, w.shape[0])
+
+
+def det_bmm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.float32,
+    plans="default",
+    route: Optional[str] = None,
+) -> torch.Tensor:
+    """``a @ b.transpose(-1, -2)`` slice by slice: every slice's exact sums, rounded once.
+
+    Args:
+        a: (..., M, K) float32 / bfloat16 / float16.
+        b: (..., N, K), the same leading dimensions as ``a`` (``b`` holds its rows as
+            :func:`det_gemm`'s ``w`` does).
+        out_dtype: float32 (default), bfloat16 or float16; rounded straight to it.
+        plans, route: as :func:`det_gemm`'s. On CUDA, ``"auto"`` and ``"kernel"`` run every
+            slice in one launch of the long-accumulator kernel; other routes run slice by slice.
+
+    Returns:
+        (..., M, N) tensor of ``out_dtype``: slice ``i`` is ``det_gemm(a[i], b[i])`` byte for
+        byte, whatever the other slices and their number.
+    """
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _FLOATS:
+            raise TypeError(f"{name}: expected dtype float32, bfloat16 or float16, got {t.dtype}")
+        if t.dim() < 2:
+            raise ValueError(f"{name}: expected shape (..., rows, K) with at least 2 dimensions, got {tuple(t.shape)}")
+    if a.shape[:-2] != b.shape[:-2] or a.shape[-1] != b.shape[-1]:
+        raise ValueError(f"b: expected shape (..., N, K) with leading dims {tuple(a.shape[:-2])} and K = {a.shape[-1]} "
+                         f"to match a, got {tuple(b.shape)}")
+    if a.device != b.device:
+        raise ValueError(f"b: expected device {a.device} to match a, got {b.device}")
+    if out_dtype not in _FLOATS:
+        raise TypeError(f"out_dtype: expected torch.float32, torch.bfloat16 or torch.float16, got {out_dtype}")
+    lead, (m, k), n = a.shape[:-2], a.shape[-2:], b.shape[-2]
+    slices = math.prod(lead)
+    y = _ops().gemm_batched(a.reshape(slices, m, k), b.reshape(slices, n, k), out_dtype, _plans_arg(plans, route))
+    return y.reshape(*lead, m, n)
 
 
 _ROUTES = {"auto": 0, "kernel": 1, "slices": 2, "slices_diagonals": 3, "slices_crt": 4, "fp64": 5}
