@@ -5,12 +5,12 @@ scale=None)`` has the semantics of ``F.scaled_dot_product_attention`` (dropout w
 ``P`` below is multiplied by the mask times 1/(1-p) before ``P V``, and ``dP`` by the same). Per
 (batch, head) slice ``i`` and query row ``r``, all in fp32 (bf16/fp16 inputs are widened exactly):
 
-    S   = round(exact Q K^T) * scale            (det_gemm, then one correctly rounded multiply)
+    S   = round(exact Q K^T) * scale            (det_bmm, then one correctly rounded multiply)
     S   = S + attn_mask | S masked to -inf       (bool mask False / causal: key j > query r)
     m   = max_j S[r, j]                          (exact; 0 for a row masked entirely, whose P is 0)
     e   = det_exp(S - m)                         (fp64 detmath exp, rounded once)
     P   = e / round(exact sum_j e[r, j])         (exact row sum, one rounding, IEEE division)
-    O   = round_to_out_dtype(exact P V)          (det_gemm straight to q's dtype: one rounding)
+    O   = round_to_out_dtype(exact P V)          (det_bmm straight to q's dtype: one rounding)
 
 Backward, with dO the output gradient:
 
@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..ops import det_finalize, det_gemm
+from ..ops import det_bmm, det_finalize
 from ..ops.dropout import DropoutKey, dropout_multiplier
 from ..ops.trust import trusted_fn
 from .functional import det_exp, det_row_sums
@@ -49,15 +49,6 @@ from .linear import DetLinear
 __all__ = ["det_scaled_dot_product_attention", "DetMultiheadSelfAttention"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _slices_gemm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, plans) -> torch.Tensor:
-    """``a[i] @ b[i].T`` for every slice i: a (N, M, K), b (N, P, K) -> (N, M, P), exact, one rounding.
-
-    One det_gemm per slice: a slice's result cannot depend on how many slices (sequences,
-    heads) are computed in the same call.
-    """
-    return torch.stack([det_gemm(a[i], b[i], out_dtype=out_dtype, plans=plans) for i in range(a.shape[0])])
 
 
 def _row_sum(a: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -75,7 +66,7 @@ class _DetSDPA(torch.autograd.Function):
         # dropout None or (p, DropoutKey, B): N = B * heads, sample b owns slices b * N/B ...
         qf, kf, vf = q.float(), k.float(), v.float()  # exact widening
         scale_t = torch.tensor(scale, dtype=torch.float32, device=q.device)  # rounded once, fixed
-        s = _slices_gemm(qf, kf, torch.float32, plans) * scale_t
+        s = det_bmm(qf, kf, out_dtype=torch.float32, plans=plans) * scale_t
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
         # a fully masked query row (HF's left padding) gets p = 0, so output 0 and no gradient: the
@@ -87,7 +78,7 @@ class _DetSDPA(torch.autograd.Function):
         keep = None
         if dropout is not None:
             keep = _dropout_keep(p, dropout)
-        out = _slices_gemm(p if keep is None else p * keep, vf.transpose(1, 2), q.dtype, plans)
+        out = det_bmm(p if keep is None else p * keep, vf.transpose(1, 2), out_dtype=q.dtype, plans=plans)
         ctx.save_for_backward(qf, kf, vf, p, scale_t, keep)
         ctx.dtypes, ctx.plans = (q.dtype, k.dtype, v.dtype), plans
         return out
@@ -101,16 +92,16 @@ class _DetSDPA(torch.autograd.Function):
         dq = dk = dv = None
         if ctx.needs_input_grad[2]:
             pd = p if keep is None else p * keep
-            dv = _slices_gemm(pd.transpose(1, 2), do.transpose(1, 2), v_dtype, ctx.plans)
+            dv = det_bmm(pd.transpose(1, 2), do.transpose(1, 2), out_dtype=v_dtype, plans=ctx.plans)
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            dp = _slices_gemm(do, vf, torch.float32, ctx.plans)
+            dp = det_bmm(do, vf, out_dtype=torch.float32, plans=ctx.plans)
             if keep is not None:
                 dp = dp * keep  # the gradient through P * keep: the same mask and scale
             ds = p * (dp - _row_sum(p, dp)) * scale_t  # masked keys: p == 0, so ds == 0
             if ctx.needs_input_grad[0]:
-                dq = _slices_gemm(ds, kf.transpose(1, 2), q_dtype, ctx.plans)
+                dq = det_bmm(ds, kf.transpose(1, 2), out_dtype=q_dtype, plans=ctx.plans)
             if ctx.needs_input_grad[1]:
-                dk = _slices_gemm(ds.transpose(1, 2), qf.transpose(1, 2), k_dtype, ctx.plans)
+                dk = det_bmm(ds.transpose(1, 2), qf.transpose(1, 2), out_dtype=k_dtype, plans=ctx.plans)
         return dq, dk, dv, None, None, None, None
 
 

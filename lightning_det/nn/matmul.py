@@ -6,8 +6,8 @@ Hugging Face's "eager" attention (and much user code) computes ``torch.matmul(q,
 
 - :func:`det_matmul` ``(a, b)``: ``a @ b`` for ``a`` (..., M, K) and ``b`` (..., K, N), leading
   dims broadcast. Every output element is the exact sum of its K products, rounded once to the
-  inputs' dtype (one ``det_gemm`` per (batch) slice, so a slice's bytes do not depend on the
-  other slices computed with it). Backward: ``da = g @ b^T`` and ``db = a^T @ g``, each exact and
+  inputs' dtype (``det_bmm``: each (batch) slice is its own exact GEMM, so a slice's bytes do not
+  depend on the other slices computed with it). Backward: ``da = g @ b^T`` and ``db = a^T @ g``, each exact and
   rounded once per slice. Broadcast leading dims are expanded before the exact product, so the
   gradient of a broadcast operand is summed over them by autograd (the op audit sees that sum).
 - :func:`det_softmax` ``(x, dim, dtype=None)``: per row along ``dim``, in fp32 (bf16/fp16 widened
@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from ..ops import det_finalize, det_gemm
+from ..ops import det_bmm, det_finalize
 from ..ops.trust import trusted_fn
 from .functional import det_exp, det_row_sums
 
@@ -34,22 +34,13 @@ __all__ = ["det_matmul", "det_softmax"]
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def slices_gemm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, plans) -> torch.Tensor:
-    """``a[i] @ b[i].T`` for every slice i: a (N, M, K), b (N, P, K) -> (N, M, P), exact, one rounding
-    per element; one det_gemm per slice."""
-    n, m, p = a.shape[0], a.shape[1], b.shape[1]
-    if n == 0:
-        return a.new_zeros((0, m, p), dtype=out_dtype)
-    return torch.stack([det_gemm(a[i], b[i], out_dtype=out_dtype, plans=plans) for i in range(n)])
-
-
 class _DetBmm(torch.autograd.Function):
     @staticmethod
     @trusted_fn
     def forward(ctx, a, b, plans):  # a (N, M, K), b (N, K, P)
         ctx.save_for_backward(a, b)
         ctx.plans = plans
-        return slices_gemm(a, b.transpose(1, 2), a.dtype, plans)
+        return det_bmm(a, b.transpose(1, 2), out_dtype=a.dtype, plans=plans)
 
     @staticmethod
     @trusted_fn
@@ -57,9 +48,9 @@ class _DetBmm(torch.autograd.Function):
         a, b = ctx.saved_tensors
         da = db = None
         if ctx.needs_input_grad[0]:
-            da = slices_gemm(g, b, a.dtype, ctx.plans)  # g[i] @ b[i]^T
+            da = det_bmm(g, b, out_dtype=a.dtype, plans=ctx.plans)  # g[i] @ b[i]^T
         if ctx.needs_input_grad[1]:
-            db = slices_gemm(a.transpose(1, 2), g.transpose(1, 2), b.dtype, ctx.plans)  # a[i]^T @ g[i]
+            db = det_bmm(a.transpose(1, 2), g.transpose(1, 2), out_dtype=b.dtype, plans=ctx.plans)  # a[i]^T @ g[i]
         return da, db, None
 
 
