@@ -40,6 +40,7 @@ SPECS = [
     ("test_cuda_gemm", ""),
     ("test_deferred_checks", ""),
     ("test_det_cross_entropy", "cuda"),
+    ("test_det_bmm", "cuda"),
     ("test_det_modules", "cuda"),
     ("test_detmath_reference", "cuda"),
     ("test_digest", "cuda"),
