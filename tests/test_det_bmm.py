@@ -55,10 +55,10 @@ def test_matches_the_exact_reference_and_torch_differs():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("route", [None, "kernel", "slices", "fp64"])
 def test_cuda_gives_the_cpu_bytes(dtype, route):
-    # attention-like slices (48 of them, 100 x 100 x 64 and 100 x 64 x 100), every route
+    # attention-like slices (48 of them): scores 100 x 100 x 64 and outputs 100 x 64 x 100
     q, k = operands((4, 12), 100, 100, 64, dtype, seed=7)
-    v = gen.normal((4, 12, 64, 100), seed=9).to(dtype)
-    for x, w in ((q, k), (q, v)):
+    p, vt = operands((4, 12), 100, 64, 100, dtype, seed=9)
+    for x, w in ((q, k), (p, vt)):
         ref = det_bmm(x, w, out_dtype=dtype)
         got = det_bmm(x.cuda(), w.cuda(), out_dtype=dtype, route=route)
         assert torch.equal(got.cpu(), ref), (dtype, route)
