@@ -1,12 +1,12 @@
 """det_ddp against plain training on the model zoo (tests/zoo_models.py): step time per model.
 
-    python benchmarks/zoo_step.py                              # CPU, 2 processes (gloo)
+    python benchmarks/zoo_step.py                              # CPU, 1 and 2 processes (gloo)
     python benchmarks/zoo_step.py --accelerator gpu --devices 1
 
 Each strategy is one launch of tests/zoo_harness.py (the zoo test's harness, so the models,
 data, det_transform and optimizer (AdamWSR; plain runs take torch's AdamW) are the tested ones), which fits every model for
 --steps steps; rank 0 times each optimizer step (synchronized on CUDA). Reported: the median
-step time after --warmup steps, per model and strategy, and their ratio. Plain is Lightning's
+step time after --warmup steps, per model, world size and strategy, and their ratio. Plain is Lightning's
 "ddp" (one device: "auto") on the unchanged model. On the GPU it also runs det_ddp on the CPU
 (one process) and reports, per model, whether every step's parameters, buffers and optimizer
 state have the same bytes on both devices (``cpu_equals_cuda``) and the first step that differs.
@@ -35,8 +35,8 @@ from zoo_models import ZOO  # noqa: E402
 HARNESS = HERE.parent / "tests" / "zoo_harness.py"
 
 
-def launch(args, strategy: str, models: list, out: Path, accelerator: str = None, devices: int = None) -> None:
-    cmd = [sys.executable, str(HARNESS), "--models", ",".join(models), "--devices", str(devices or args.devices),
+def launch(args, strategy: str, models: list, out: Path, devices: int, accelerator: str = None) -> None:
+    cmd = [sys.executable, str(HARNESS), "--models", ",".join(models), "--devices", str(devices),
            "--accelerator", accelerator or args.accelerator, "--strategy", strategy, "--steps", str(args.steps),
            "--global-batch", str(args.global_batch), "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
@@ -69,7 +69,7 @@ def medians(path: Path, warmup: int) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
-    p.add_argument("--devices", type=int, default=None, help="default: 2 on the CPU, 1 on the GPU")
+    p.add_argument("--devices", default=None, help="world sizes, comma-separated; default: 1,2 on the CPU, 1 on the GPU")
     p.add_argument("--models", default=",".join(ZOO))
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3, help="steps before the timed ones")
@@ -77,17 +77,31 @@ def main():
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process")
     p.add_argument("--timeout", type=int, default=3000)
     args = p.parse_args()
-    if args.devices is None:
-        args.devices = 2 if args.accelerator == "cpu" else 1
+    world_sizes = [int(v) for v in (args.devices or ("1,2" if args.accelerator == "cpu" else "1")).split(",")]
     models = args.models.split(",")
     tmp = Path(tempfile.mkdtemp(prefix="ldet-zoo-step-"))
+    rows = []
+    for ws in world_sizes:
+        rows += measure(args, models, ws, tmp / f"ws{ws}")
+    device = "cuda" if args.accelerator == "gpu" else "cpu"
+    path = write("zoo_step", device, rows, extra={
+        "world_sizes": world_sizes, "global_batch": args.global_batch, "steps": args.steps, "warmup": args.warmup,
+        "threads_per_process": args.threads, "world_size_1_devices_compared": args.accelerator == "gpu",
+        "det": "det_ddp (strict), det_transform, AdamWSR",
+        "plain": "Lightning ddp (1 device: auto), the unchanged model, torch AdamW"})
+    print(path)
+
+
+def measure(args, models: list, ws: int, tmp: Path) -> list:
+    """One row per model at world size ws; on the GPU at ws 1 also the CPU == CUDA comparison."""
+    tmp.mkdir()
     times, errors = {}, {}
     for strategy in ("ddp", "det_ddp"):
         out = tmp / f"{strategy}.jsonl"
-        launch(args, strategy, models, out)
+        launch(args, strategy, models, out, devices=ws)
         times[strategy], errors[strategy] = medians(out, args.warmup)
     cross = {}
-    if args.accelerator == "gpu":
+    if args.accelerator == "gpu" and ws == 1:
         launch(args, "det_ddp", models, tmp / "det_cpu.jsonl", accelerator="cpu", devices=1)
         on_cpu, on_gpu = states(tmp / "det_cpu.jsonl"), states(tmp / "det_ddp.jsonl")
         for m in models:
@@ -98,19 +112,13 @@ def main():
     rows = []
     for m in models:
         plain, det = times["ddp"].get(m), times["det_ddp"].get(m)
-        rows.append({"model": m, "plain_step_ms": None if plain is None else plain * 1e3,
+        rows.append({"model": m, "devices": ws, "plain_step_ms": None if plain is None else plain * 1e3,
                      "det_step_ms": None if det is None else det * 1e3,
                      "ratio": None if plain is None or det is None else det / plain,
                      "error": errors["det_ddp"].get(m) or errors["ddp"].get(m), **cross.get(m, {})})
-        print(f"{m:12s} plain {rows[-1]['plain_step_ms']} ms  det {rows[-1]['det_step_ms']} ms  "
+        print(f"{m:12s} ws {ws}  plain {rows[-1]['plain_step_ms']} ms  det {rows[-1]['det_step_ms']} ms  "
               f"ratio {rows[-1]['ratio']}" + (f"  ERROR {rows[-1]['error'][:200]}" if rows[-1]["error"] else ""))
-    device = "cuda" if args.accelerator == "gpu" else "cpu"
-    path = write("zoo_step", device, rows, extra={
-        "devices": args.devices, "global_batch": args.global_batch, "steps": args.steps, "warmup": args.warmup,
-        "threads_per_process": args.threads, "world_size_1_devices_compared": bool(cross),
-        "det": "det_ddp (strict), det_transform, AdamWSR",
-        "plain": "Lightning ddp (1 device: auto), the unchanged model, torch AdamW"})
-    print(path)
+    return rows
 
 
 if __name__ == "__main__":
