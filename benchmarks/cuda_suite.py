@@ -42,6 +42,7 @@ SPECS = [
     ("test_det_cross_entropy", "cuda"),
     ("test_det_bmm", "cuda"),
     ("test_det_modules", "cuda"),
+    ("test_det_trig", "cuda"),
     ("test_detmath_reference", "cuda"),
     ("test_digest", "cuda"),
     ("test_digit_bounds", ""),

@@ -33,14 +33,15 @@ constexpr double kInvSqrt2Pi = 0x1.9884533d43651p-2;
 constexpr double kSqrt2OverPi = 0x1.9884533d43651p-1;
 constexpr double kGeluC = 0x1.6e4e26d4801f7p-5;  // 0.044715, as in PyTorch's tanh-GELU
 
-// 1/n! for n = 0..16 (Taylor coefficients of exp).
+// 1/n! for n = 0..20 (Taylor coefficients of exp, sin and cos), each correctly rounded.
 LDET_HD double inv_fact(int n) {
-  constexpr double c[17] = {
+  constexpr double c[21] = {
       0x1.0000000000000p+0,  0x1.0000000000000p+0,  0x1.0000000000000p-1,  0x1.5555555555555p-3,
       0x1.5555555555555p-5,  0x1.1111111111111p-7,  0x1.6c16c16c16c17p-10, 0x1.a01a01a01a01ap-13,
       0x1.a01a01a01a01ap-16, 0x1.71de3a556c734p-19, 0x1.27e4fb7789f5cp-22, 0x1.ae64567f544e4p-26,
       0x1.1eed8eff8d898p-29, 0x1.6124613a86d09p-33, 0x1.93974a8c07c9dp-37, 0x1.ae7f3e733b81fp-41,
-      0x1.ae7f3e733b81fp-45};
+      0x1.ae7f3e733b81fp-45, 0x1.952c77030ad4ap-49, 0x1.6827863b97d97p-53, 0x1.2f49b46814157p-57,
+      0x1.e542ba4020225p-62};
   return c[n];
 }
 
@@ -243,6 +244,152 @@ LDET_HD double log1p_nonneg(double t) {
   return k * kLn2Hi + (k * kLn2Lo + (u + u) * p);
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// sin and cos: x = k pi/2 + r, |r| <= ~pi/4, then Taylor polynomials in r (degree 17 / 18:
+// truncation below 1e-19), all in IEEE fp64 operations, so every device gives the same bits.
+//
+// The reduction. |x| < 2^24 (k < 2^24): Cody-Waite with pi/2 = kPio2A + kPio2B + kPio2C, the
+// first two with 28 significant bits (k times them is exact), error below 2^-80. 2^24 <= |x| <
+// 2^128 (every fp32, bf16, fp16 value up to their largest): Payne-Hanek. x = m 2^e with m a
+// 53-bit integer; only the bits of 2/pi from position e - 1 on matter modulo 4, so 192 of them
+// (kTwoOverPiBits) times m give the quadrant and 128 bits of the fraction exactly, and the
+// fraction times pi/2 is formed as a double-double (Dekker's product, no FMA): |r| keeps ~90 bits
+// while fp32 arguments stay above 2^-30 from any multiple of pi/2. |x| >= 2^128 (float64 inputs
+// only): NaN.
+
+constexpr double kPio2A = 0x1.921fb54000000p+0;   // 28 bits
+constexpr double kPio2B = 0x1.10b4612000000p-30;  // 28 bits
+constexpr double kPio2C = -0x1.676733ae8fe48p-60;
+constexpr double kPio2Hi = 0x1.921fb54442d18p+0;  // pi/2 = kPio2Hi + kPio2Lo to ~107 bits
+constexpr double kPio2Lo = 0x1.1a62633145c07p-54;
+constexpr double kTwoOverPi = 0x1.45f306dc9c883p-1;
+
+// Bits 1..352 of 2/pi after the binary point, 32 a word.
+LDET_HD uint32_t two_over_pi_word(int i) {
+  constexpr uint32_t w[11] = {0xA2F9836E, 0x4E441529, 0xFC2757D1, 0xF534DDC0, 0xDB629599, 0x3C439041,
+                              0xFE5163AB, 0xDEBBC561, 0xB7246E3A, 0x424DD2E0, 0x06492EEA};
+  return w[i];
+}
+
+// The 32 bits of 2/pi at positions pos .. pos + 31 (position 1 is the first after the point;
+// positions below 1 are the integer part, 0).
+LDET_HD uint32_t two_over_pi_bits(int pos) {
+  const int lo = pos - 1;  // bit offset of the first wanted bit from position 1
+  uint64_t v = 0;          // 64 bits from word floor(lo / 32) on (zeros before the point)
+  const int q = lo >= 0 ? lo / 32 : -((31 - lo) / 32), sh = lo - q * 32;
+  for (int j = 0; j < 2; ++j) {
+    const int idx = q + j;
+    v = (v << 32) | ((idx >= 0 && idx < 11) ? uint64_t(two_over_pi_word(idx)) : 0);
+  }
+  return uint32_t(v >> (32 - sh));
+}
+
+// a * b = *hi + *lo exactly (Veltkamp split; no FMA).
+LDET_HD void two_prod(double a, double b, double* hi, double* lo) {
+  constexpr double kSplit = 134217729.0;  // 2^27 + 1
+  const double p = a * b;
+  double t = kSplit * a;
+  const double ah = t - (t - a), al = a - ah;
+  t = kSplit * b;
+  const double bh = t - (t - b), bl = b - bh;
+  *hi = p;
+  *lo = ((ah * bh - p) + ah * bl + al * bh) + al * bl;
+}
+
+// Payne-Hanek for 2^24 <= ax < 2^128: the quadrant (mod 4) and r = ax - k pi/2.
+LDET_HD double reduce_large(double ax, int* quadrant) {
+  const uint64_t b = bits_of(ax);
+  const uint64_t m = (b & ((uint64_t(1) << 52) - 1)) | (uint64_t(1) << 52);
+  const int e = int((b >> 52) & 0x7ff) - 1075;  // ax = m 2^e, -28 <= e <= 75
+  // W: bits e - 1 .. e + 190 of 2/pi, six 32-bit words, most significant first; y = m W 2^-190.
+  uint32_t W[6];
+  for (int j = 0; j < 6; ++j) W[j] = two_over_pi_bits(e - 1 + 32 * j);
+  // P = m W, eight 32-bit words, least significant first.
+  uint32_t P[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const uint32_t mw[2] = {uint32_t(m), uint32_t(m >> 32)};
+  for (int i = 0; i < 2; ++i) {
+    uint64_t carry = 0;
+    for (int j = 5; j >= 0; --j) {  // least significant first: W[j] has weight 2^(32 (5 - j))
+      const int at = i + (5 - j);
+      const uint64_t t = uint64_t(mw[i]) * W[j] + P[at] + carry;
+      P[at] = uint32_t(t);
+      carry = t >> 32;
+    }
+    for (int at = i + 6; carry != 0 && at < 8; ++at) {
+      const uint64_t t = uint64_t(P[at]) + carry;
+      P[at] = uint32_t(t);
+      carry = t >> 32;
+    }
+  }
+  // Bits 190, 191: the quadrant; bits 62 .. 189: the fraction F (hi 64, lo 64).
+  auto bits64 = [&](int from) {  // bits from .. from + 63 of P
+    const int w = from / 32, s = from % 32;
+    uint64_t v = uint64_t(P[w]) | (uint64_t(P[w + 1]) << 32);
+    if (s != 0) v = (v >> s) | (uint64_t(w + 2 < 8 ? P[w + 2] : 0) << (64 - s));
+    return v;
+  };
+  int q = int((P[5] >> 30) & 3u);
+  uint64_t fh = bits64(126), fl = bits64(62);
+  double sign = 1.0;
+  if (fh >> 63) {  // fraction >= 1/2: r = (F - 1) pi/2 and the next quadrant
+    fl = ~fl + 1;
+    fh = ~fh + (fl == 0 ? 1 : 0);
+    sign = -1.0;
+    q = (q + 1) & 3;
+  }
+  // F = fr + fx exactly: the top 53 bits and the next 43 (of 2^-128 weight units).
+  const double fr = double(fh >> 11) * pow2(-53);
+  const double fx = double(((fh & 0x7ffULL) << 32) | (fl >> 32)) * pow2(-96);
+  double ph, pl;
+  two_prod(fr, kPio2Hi, &ph, &pl);
+  *quadrant = q;
+  return sign * (ph + (pl + (fx * kPio2Hi + fr * kPio2Lo)));
+}
+
+// r and the quadrant k mod 4 of x = k pi/2 + r (x finite, |x| < 2^128).
+LDET_HD double reduce_pio2(double x, int* quadrant) {
+  const double ax = x < 0 ? -x : x;
+  double r;
+  int q;
+  if (ax < 16777216.0) {  // 2^24
+    const double k = floor(ax * kTwoOverPi + 0.5);
+    r = ((ax - k * kPio2A) - k * kPio2B) - k * kPio2C;
+    q = int(int64_t(k) & 3);
+  } else {
+    r = reduce_large(ax, &q);
+  }
+  if (x < 0) {  // sin(-x) = -sin x, cos(-x) = cos x: the quadrant of -x is -q
+    r = -r;
+    q = (4 - q) & 3;
+  }
+  *quadrant = q;
+  return r;
+}
+
+// sin r and cos r for |r| <= ~pi/4 + 2^-20.
+LDET_HD void sin_cos_poly(double r, double* s, double* c) {
+  const double z = r * r;
+  double ps = inv_fact(17);  // sin: the sign of r^n / n! is (-1)^((n - 1) / 2)
+  for (int n = 15; n >= 3; n -= 2) ps = ps * z + ((n / 2) % 2 ? -inv_fact(n) : inv_fact(n));
+  *s = r + r * (z * ps);
+  double pc = -inv_fact(18);  // cos: the sign of r^n / n! is (-1)^(n / 2)
+  for (int n = 16; n >= 2; n -= 2) pc = pc * z + ((n / 2) % 2 ? -inv_fact(n) : inv_fact(n));
+  *c = 1.0 + z * pc;
+}
+
+// sin x (want_cos false) or cos x, for any fp64 x: NaN for inf / NaN and |x| >= 2^128.
+LDET_HD double sin_or_cos(double x, bool want_cos) {
+  if (!is_finite(x) || x >= 0x1p128 || x <= -0x1p128) return double_of(0x7ff8000000000000ULL);
+  if (x == 0.0) return want_cos ? 1.0 : x;  // sin(-0) = -0
+  int q;
+  const double r = reduce_pio2(x, &q);
+  double s, c;
+  sin_cos_poly(r, &s, &c);
+  if (want_cos) q = (q + 1) & 3;  // cos x = sin(x + pi/2)
+  return q == 0 ? s : q == 1 ? c : q == 2 ? -s : -c;
+}
+
 }  // namespace dm
 
 // The cross-entropy loss of one row (lightning_det/nn/loss.py): fp32((m - x_t) + log1p(T)) with
@@ -256,7 +403,8 @@ LDET_HD float ce_row_loss(float m, float picked, float t_minus) {
 // Activation codes shared by the op schema (csrc/schema/detmath.cpp) and Python
 // (lightning_det/nn/functional.py).
 // kActExp is not an activation module: it is the exp of the det softmax (lightning_det/nn/attention.py).
-enum ActKind { kActGeluErf = 0, kActGeluTanh = 1, kActSilu = 2, kActTanh = 3, kActExp = 4 };
+// kActSin / kActCos: sin and cos (rotary position embeddings: lightning_det/nn/elementwise_routes.py).
+enum ActKind { kActGeluErf = 0, kActGeluTanh = 1, kActSilu = 2, kActTanh = 3, kActExp = 4, kActSin = 5, kActCos = 6 };
 
 LDET_HD double act_forward(double x, int kind) {
   if (kind == kActGeluErf) return x * dm::norm_cdf(x);
@@ -273,6 +421,8 @@ LDET_HD double act_forward(double x, int kind) {
     return x * s;
   }
   if (kind == kActExp) return dm::exp(x);
+  if (kind == kActSin) return dm::sin_or_cos(x, false);
+  if (kind == kActCos) return dm::sin_or_cos(x, true);
   return dm::tanh(x);
 }
 
@@ -292,6 +442,8 @@ LDET_HD double act_derivative(double x, int kind) {
     return s * (1.0 + x * sm);
   }
   if (kind == kActExp) return dm::exp(x);
+  if (kind == kActSin) return dm::sin_or_cos(x, true);
+  if (kind == kActCos) return -dm::sin_or_cos(x, false);
   return dm::sech2(x);
 }
 

@@ -6,8 +6,8 @@
 namespace ldet {
 
 inline void check_act_kind(int64_t kind) {
-  TORCH_CHECK(kind >= 0 && kind <= 4,
-              "kind: expected 0 (gelu erf), 1 (gelu tanh), 2 (silu), 3 (tanh) or 4 (exp), got ",
+  TORCH_CHECK(kind >= 0 && kind <= 6,
+              "kind: expected 0 (gelu erf), 1 (gelu tanh), 2 (silu), 3 (tanh), 4 (exp), 5 (sin) or 6 (cos), got ",
               kind);
 }
 

@@ -10,7 +10,7 @@ from .broadcast_grads import BroadcastGradError
 from .conv1d import DetConv1D
 from .dropout import DetDropout
 from .embedding import DetEmbedding
-from .functional import det_col_sums, det_exp, det_gelu, det_relu, det_row_sums, det_silu, det_tanh
+from .functional import det_col_sums, det_cos, det_exp, det_gelu, det_relu, det_row_sums, det_silu, det_sin, det_tanh
 from .function_mode import det_function_mode
 from .grad_digits import finalize_grad_digits, set_grad_digits
 from .linear import DetLinear
@@ -53,9 +53,11 @@ __all__ = [
     "det_function_mode",
     "BroadcastGradError",
     "det_cross_entropy",
+    "det_cos",
     "det_exp",
     "det_gelu",
     "det_silu",
+    "det_sin",
     "det_tanh",
     "det_relu",
     "det_row_sums",

@@ -14,6 +14,7 @@ from torch.overrides import TorchFunctionMode
 from .attention_routes import MATMUL_FUNCS, NOT_ROUTED, SOFTMAX_FUNCS, det_sdpa_gqa, matmul_route, softmax_route
 from .broadcast_grads import BROADCAST_FUNCS, call_with_exact_broadcasts
 from .dropout import functional_dropout, sdpa_dropout_key
+from .elementwise_routes import TRIG_FUNCS, trig_route
 from .loss import cross_entropy_rows, cross_entropy_unsupported, det_cross_entropy_checked
 from .step_state import StepState, StepStateMode
 
@@ -47,6 +48,10 @@ class _DetFunctionMode(StepStateMode):
                 return out
         elif func in SOFTMAX_FUNCS:
             out = softmax_route(func, args, kwargs)
+            if out is not NOT_ROUTED:
+                return out
+        elif func in TRIG_FUNCS:
+            out = trig_route(func, args, kwargs)
             if out is not NOT_ROUTED:
                 return out
         if func in BROADCAST_FUNCS and self.ldet_step_state is not None:
@@ -113,7 +118,8 @@ def det_function_mode(strict: bool = True, loss_reduce: Optional[Callable] = Non
     :func:`det_cross_entropy`, and the calls of hand-written attention (Hugging Face's "eager"):
     ``torch.matmul`` / ``@`` / ``bmm`` / ``mm`` of two float activations -> ``det_matmul``,
     ``F.softmax`` / ``torch.softmax`` / ``Tensor.softmax`` with a ``dim`` -> ``det_softmax``
-    (:mod:`lightning_det.nn.attention_routes`).
+    (:mod:`lightning_det.nn.attention_routes`); ``torch.sin`` / ``torch.cos`` (rotary
+    embeddings) -> ``det_sin`` / ``det_cos`` (:mod:`lightning_det.nn.elementwise_routes`).
     With a ``state``, broadcasting functions (``+ - * /``, ``where``, ``expand``, ``repeat``, ...)
     route the gradient of a Parameter, a view of one, or a DetEmbedding output that they spread
     across the batch to exact digits (:mod:`lightning_det.nn.broadcast_grads`).

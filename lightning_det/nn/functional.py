@@ -17,7 +17,8 @@ import torch
 from ..ops.activation import act
 from ..ops.sums import det_col_sums, det_row_sums
 
-__all__ = ["det_gelu", "det_silu", "det_tanh", "det_relu", "det_exp", "det_row_sums", "det_col_sums"]
+__all__ = ["det_gelu", "det_silu", "det_tanh", "det_relu", "det_exp", "det_sin", "det_cos", "det_row_sums",
+           "det_col_sums"]
 
 
 def det_gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
@@ -44,6 +45,18 @@ def det_exp(x: torch.Tensor) -> torch.Tensor:
     is nan, overflow gives +inf.
     """
     return act(x, "exp")
+
+
+def det_sin(x: torch.Tensor) -> torch.Tensor:
+    """sin, as ``torch.sin``: fp64 ``detmath.h`` sin (exact Payne-Hanek reduction for large
+    arguments, relative error ~2e-16) rounded once. inf and nan give nan."""
+    return act(x, "sin")
+
+
+def det_cos(x: torch.Tensor) -> torch.Tensor:
+    """cos, as ``torch.cos``; see :func:`det_sin`. Rotary position embeddings (Llama's) call it
+    through ``det_function_mode``."""
+    return act(x, "cos")
 
 
 def det_relu(x: torch.Tensor) -> torch.Tensor:
