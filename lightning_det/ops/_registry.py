@@ -132,6 +132,23 @@ def _register_dropout(lib: str) -> None:
         return torch.empty(x.shape, dtype=torch.bool, device=x.device)
 
 
+def _register_attention(lib: str) -> None:
+    @torch.library.register_fake(lib + "attention_fwd")
+    def _(q, k, v, mask, scale, causal, dropout, dropout_mult):
+        b, h, lq, _ = q.shape
+        return (q.new_empty((b, h, lq, v.shape[3]), dtype=torch.float32),
+                q.new_empty((b, h, lq, 2), dtype=torch.float32))
+
+    @torch.library.register_fake(lib + "attention_bwd")
+    def _(dout, q, k, v, o, stats, mask, scale, causal, dropout, dropout_mult):
+        return (q.new_empty(q.shape, dtype=torch.float32), k.new_empty(k.shape, dtype=torch.float32),
+                v.new_empty(v.shape, dtype=torch.float32))
+
+    @torch.library.register_fake(lib + "attention_probs")
+    def _(q, k, stats, mask, scale, causal):
+        return q.new_empty((*q.shape[:3], k.shape[2]), dtype=torch.float32)
+
+
 def _register_digest(lib: str) -> None:
     from .digest import CHUNK_BYTES
 
@@ -163,6 +180,7 @@ def register() -> None:
     _register_optim(lib)
     _register_digest(lib)
     _register_dropout(lib)
+    _register_attention(lib)
     _check_layout()
 
 
