@@ -49,6 +49,7 @@ SPECS = [
     ("test_digest_callback", "cuda"),
     ("test_eager_rounding", "cuda"),
     ("test_fp64_route", ""),
+    ("test_fused_attention", "cuda"),
     ("test_gelu_fast", ""),
     ("test_gemm_plan", "cuda"),
     ("test_gpt_char", "cuda"),

@@ -11,10 +11,10 @@ from torch import nn
 
 from lightning_det.nn import (DetLinear, StepState, det_function_mode, det_transform, finalize_grad_digits,
                               set_grad_digits)
-from lightning_det.nn.matmul import det_matmul
 from lightning_det.nn.mha import DetMultiheadAttention, DetTransformerEncoder, DetTransformerEncoderLayer
 from lightning_det.ops import det_linear
 from lightning_det.parallel import OpAudit
+from lightning_det.reference.attention_ref import attention_weights_ref
 
 E, H, N, L, S = 12, 3, 5, 7, 6
 
@@ -142,15 +142,24 @@ def test_mha_sequences_do_not_depend_on_the_batch(batch_first):
 
 
 def test_mha_weights_are_the_attention_probabilities():
-    # Independent composition: out == out_proj(P @ V) with P the returned per-head weights and V the
-    # exact projection of value (DetLinear's rounding), so the weights are the attention's own bytes.
+    # The returned per-head weights are the fused kernel's own p = e * r, given bit for bit by the
+    # plain-PyTorch evaluation of its definition on the exact projections (DetLinear's rounding)
+    # with PyTorch's merged float mask; out is out_proj(P V) within fp32 rounding.
     _, det = _pair(seed=5, batch_first=True)
     q, k, v = _inputs(True, seed=30)
     kpm, fm, _ = _masks()
     out, p = det(q, k, v, key_padding_mask=kpm, attn_mask=fm, average_attn_weights=False)
-    vh = det_linear(v, det.in_proj_weight[2 * E:], det.in_proj_bias[2 * E:]).view(N, S, H, E // H).transpose(1, 2)
-    o = det_matmul(p, vh).transpose(1, 2).reshape(N, L, E)
-    assert_bitwise(det_linear(o, det.out_proj.weight, det.out_proj.bias), out.detach(), "out_proj(P V)")
+
+    def heads(x, i):
+        y = det_linear(x, det.in_proj_weight[i * E:(i + 1) * E], det.in_proj_bias[i * E:(i + 1) * E])
+        return y.view(N, -1, H, E // H).transpose(1, 2)
+
+    qh, kh, vh = heads(q, 0), heads(k, 1), heads(v, 2)
+    merged = fm.view(1, 1, L, S) + torch.zeros(N, 1, 1, S).masked_fill(kpm.view(N, 1, 1, S), float("-inf"))
+    assert_bitwise(p.detach(), attention_weights_ref(qh, kh, merged, 1.0 / (E // H) ** 0.5), "weights")
+    o = (p.double() @ vh.double()).transpose(1, 2).reshape(N, L, E).float()
+    torch.testing.assert_close(det_linear(o, det.out_proj.weight, det.out_proj.bias), out.detach(),
+                               rtol=1e-5, atol=1e-6)
     # and the averaged weights: the exact mean over heads, within rounding of PyTorch's mean
     _, avg = det(q, k, v, key_padding_mask=kpm, attn_mask=fm)
     torch.testing.assert_close(avg, p.mean(1), rtol=2e-7, atol=1e-8)

@@ -1,36 +1,22 @@
-"""Deterministic scaled dot-product attention: exact GEMMs, a row-wise exact softmax, exact backward.
+"""Deterministic scaled dot-product attention: one fused kernel per direction, nothing of size
+(Lq, Lk) kept.
 
 ``det_scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
-scale=None)`` has the semantics of ``F.scaled_dot_product_attention`` (dropout with keyed masks:
-``P`` below is multiplied by the mask times 1/(1-p) before ``P V``, and ``dP`` by the same). Per
-(batch, head) slice ``i`` and query row ``r``, all in fp32 (bf16/fp16 inputs are widened exactly):
+scale=None, enable_gqa=False)`` has the semantics of ``F.scaled_dot_product_attention`` (dropout
+with keyed masks, the same for a sample at every world size). It runs
+:func:`lightning_det.ops.attention.attention_forward` / ``attention_backward``, whose arithmetic
+is written out in csrc/attention.h: per (batch, head) slice, every sum is a fixed chain of fp32
+fused multiply-adds in ascending index order (scores over the head dimension, the output and the
+gradients over keys or queries), the softmax takes an exact row max and detmath's exp, and the
+backward recomputes the scores from q and k. Each result is therefore a fixed function of its
+own slice: row r of sequence b, head h depends only on that slice's q row r and its k, v, not on
+the other sequences or heads computed with it, the tiling, the thread count or the device (CPU
+and CUDA give the same bytes). Memory is O(B H L E): the (Lq, Lk) scores exist one tile at a
+time.
 
-    S   = round(exact Q K^T) * scale            (det_bmm, then one correctly rounded multiply)
-    S   = S + attn_mask | S masked to -inf       (bool mask False / causal: key j > query r)
-    m   = max_j S[r, j]                          (exact; 0 for a row masked entirely, whose P is 0)
-    e   = det_exp(S - m)                         (fp64 detmath exp, rounded once)
-    P   = e / round(exact sum_j e[r, j])         (exact row sum, one rounding, IEEE division)
-    O   = round_to_out_dtype(exact P V)          (det_bmm straight to q's dtype: one rounding)
-
-Backward, with dO the output gradient:
-
-    dV  = exact P^T dO                           rounded once to v's dtype
-    dP  = round(exact dO V^T)
-    D   = round(exact sum_j P[r, j] dP[r, j])    (== rowsum(dO * O) in exact arithmetic; formed
-                                                  from P and dP so a bf16-rounded O does not
-                                                  leak its rounding into every gradient)
-    dS  = P * (dP - D) * scale                   (elementwise, fp32)
-    dQ  = exact dS K,  dK = exact dS^T Q         rounded once to q's / k's dtype
-
-Every reduction is an exact long-accumulator sum rounded once, every other op is elementwise
-and correctly rounded, and each (batch, head) slice is computed on its own: row r of sequence b,
-head h depends only on that slice's q row r and its k, v. So results do not depend on the other
-sequences in the batch, the number of heads computed together, thread count or device.
-
-Limit: the (Lq, Lk) score matrix of each slice is materialised in fp32 (plus P, dP, dS in the
-backward): memory is about 16 * N * Lq * Lk bytes for N = batch * heads, and the GEMMs run one
-slice at a time. Fine for the example sizes (sequence length up to a few hundred on CPU, a few
-thousand on GPU); not a replacement for flash attention at long context.
+These sums are fp32 chains, not exact sums rounded once: attention sums never cross a slice, so
+no world-size or micro-batch split can reorder them, and exactness would buy no invariance.
+Their accuracy is that of fp32 attention (tests compare with fp64).
 """
 from __future__ import annotations
 
@@ -40,10 +26,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..ops import det_bmm, det_finalize
-from ..ops.dropout import DropoutKey, dropout_multiplier
+from ..ops.attention import AttentionDropout, attention_backward, attention_forward
+from ..ops.dropout import DropoutKey
 from ..ops.trust import trusted_fn
-from .functional import det_exp, det_row_sums
 from .linear import DetLinear
 
 __all__ = ["det_scaled_dot_product_attention", "DetMultiheadSelfAttention"]
@@ -51,68 +36,31 @@ __all__ = ["det_scaled_dot_product_attention", "DetMultiheadSelfAttention"]
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _row_sum(a: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """round(exact sum over the last dim of a (* b)): (N, M, W) fp32 -> (N, M, 1) fp32."""
-    n, m, w = a.shape
-    b2 = None if b is None else b.reshape(n * m, w)
-    return det_finalize(det_row_sums(a.reshape(n * m, w), b2)).reshape(n, m, 1)
-
-
-class _DetSDPA(torch.autograd.Function):
+class _FusedSDPA(torch.autograd.Function):
     @staticmethod
     @trusted_fn
-    def forward(ctx, q, k, v, mask, scale, plans, dropout):
-        # q (N, Lq, E), k (N, Lk, E), v (N, Lk, Ev); mask None, bool (N, Lq, Lk) or float (N, Lq, Lk);
-        # dropout None or (p, DropoutKey, B): N = B * heads, sample b owns slices b * N/B ...
-        qf, kf, vf = q.float(), k.float(), v.float()  # exact widening
-        scale_t = torch.tensor(scale, dtype=torch.float32, device=q.device)  # rounded once, fixed
-        s = det_bmm(qf, kf, out_dtype=torch.float32, plans=plans) * scale_t
-        if mask is not None:
-            s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
-        # a fully masked query row (HF's left padding) gets p = 0, so output 0 and no gradient: the
-        # bytes of PyTorch's SDPA, whose math path uses a safe softmax
-        m = s.amax(dim=-1, keepdim=True)
-        e = det_exp(s - m.masked_fill(m == float("-inf"), 0.0))
-        total = _row_sum(e)
-        p = e / total.masked_fill(total == 0, 1.0)
-        keep = None
-        if dropout is not None:
-            keep = _dropout_keep(p, dropout)
-        out = det_bmm(p if keep is None else p * keep, vf.transpose(1, 2), out_dtype=q.dtype, plans=plans)
-        ctx.save_for_backward(qf, kf, vf, p, scale_t, keep)
-        ctx.dtypes, ctx.plans = (q.dtype, k.dtype, v.dtype), plans
-        return out
+    def forward(ctx, q, k, v, mask, scale, causal, dropout):
+        # q (B, H, Lq, E), k (B, Hkv, Lk, E), v (B, Hkv, Lk, Ev); mask None or (B, H, Lq, Lk)-broadcastable
+        o, stats = attention_forward(q, k, v, mask, scale, causal, dropout)
+        ctx.save_for_backward(q, k, v, o, stats, mask)
+        ctx.scale, ctx.causal, ctx.dropout = scale, causal, dropout
+        ctx.mark_non_differentiable(stats)
+        # a fresh output tensor, never o itself: an in-place op on the output must not change what
+        # the backward reads
+        return (o.to(q.dtype) if q.dtype != torch.float32 else o.clone()), stats.clone()
 
     @staticmethod
     @trusted_fn
-    def backward(ctx, d_out):
-        qf, kf, vf, p, scale_t, keep = ctx.saved_tensors
-        q_dtype, k_dtype, v_dtype = ctx.dtypes
-        do = d_out.float()
-        dq = dk = dv = None
-        if ctx.needs_input_grad[2]:
-            pd = p if keep is None else p * keep
-            dv = det_bmm(pd.transpose(1, 2), do.transpose(1, 2), out_dtype=v_dtype, plans=ctx.plans)
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            dp = det_bmm(do, vf, out_dtype=torch.float32, plans=ctx.plans)
-            if keep is not None:
-                dp = dp * keep  # the gradient through P * keep: the same mask and scale
-            ds = p * (dp - _row_sum(p, dp)) * scale_t  # masked keys: p == 0, so ds == 0
-            if ctx.needs_input_grad[0]:
-                dq = det_bmm(ds, kf.transpose(1, 2), out_dtype=q_dtype, plans=ctx.plans)
-            if ctx.needs_input_grad[1]:
-                dk = det_bmm(ds.transpose(1, 2), qf.transpose(1, 2), out_dtype=k_dtype, plans=ctx.plans)
-        return dq, dk, dv, None, None, None, None
+    def backward(ctx, d_out, _d_stats):
+        q, k, v, o, stats, mask = ctx.saved_tensors
+        dq, dk, dv = attention_backward(d_out, q, k, v, o, stats, mask, ctx.scale, ctx.causal, ctx.dropout)
+        need = ctx.needs_input_grad
+        return (dq.to(q.dtype) if need[0] else None, dk.to(k.dtype) if need[1] else None,
+                dv.to(v.dtype) if need[2] else None, None, None, None, None)
 
 
-def _dropout_keep(p: torch.Tensor, dropout) -> torch.Tensor:
-    """fp32 (N, Lq, Lk): 1/(1-p) where the keyed mask keeps P's element, 0 elsewhere."""
-    prob, key, b = dropout
-    return dropout_multiplier(p.view(b, -1), prob, key).view(p.shape)
-
-
-def _dropout_arg(dropout_p, dropout_key, lead):
-    """None (no dropout) or (p, key, batch size) for _DetSDPA, checked."""
+def _dropout_arg(dropout_p, dropout_key, batch: int) -> Optional[AttentionDropout]:
+    """None (no dropout) or the kernel's AttentionDropout, checked."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"dropout_p: expected a float in [0, 1], got {dropout_p!r}")
     if dropout_p == 0:
@@ -122,10 +70,10 @@ def _dropout_arg(dropout_p, dropout_key, lead):
             f"dropout_key: dropout_p={dropout_p} needs the call's DropoutKey (keyed masks, the same for a sample "
             "at every world size); under det_ddp det_function_mode passes it, got "
             f"{type(dropout_key).__name__}")
-    if len(lead) < 1 or lead[0] != dropout_key.samples:
+    if batch != dropout_key.samples:
         raise ValueError(f"query: expected its first dimension to be the batch of {dropout_key.samples} samples "
-                         f"(dropout_key.samples), got leading dimensions {lead}")
-    return float(dropout_p), dropout_key, lead[0]
+                         f"(dropout_key.samples), got {batch}")
+    return AttentionDropout(float(dropout_p), dropout_key)
 
 
 def _check(t, name: str) -> None:
@@ -138,6 +86,18 @@ def _check(t, name: str) -> None:
                          f"got {tuple(t.shape)}")
 
 
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+                    causal: bool, dropout: Optional[AttentionDropout]):
+    """``(out, stats)`` of the fused kernel on 4-D (B, H, L, E) operands, differentiable in q, k,
+    v; ``stats`` (the rows' m and r, no gradient) lets :func:`lightning_det.ops.attention.attention_probs`
+    give the forward's own weights."""
+    return _FusedSDPA.apply(q, k, v, mask, scale, causal, dropout)
+
+
+def _as_4d(t: torch.Tensor, b: int, h: int) -> torch.Tensor:
+    return t.reshape(b, h, *t.shape[-2:])
+
+
 def det_scaled_dot_product_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -146,27 +106,30 @@ def det_scaled_dot_product_attention(
     dropout_p: float = 0.0,
     is_causal: bool = False,
     scale: Optional[float] = None,
+    enable_gqa: bool = False,
     *,
-    plans="default",
     dropout_key: Optional[DropoutKey] = None,
 ) -> torch.Tensor:
-    """Exact, batch- and head-invariant ``F.scaled_dot_product_attention`` (see the module docstring).
+    """Deterministic, batch- and head-invariant ``F.scaled_dot_product_attention`` (see the
+    module docstring).
 
     Args:
-        query: (..., Lq, E), e.g. (B, H, Lq, E); float32, bfloat16 or float16.
-        key: (..., Lk, E), the same leading dims and dtype as ``query``.
-        value: (..., Lk, Ev), the same leading dims and dtype as ``query``.
+        query: (..., Lq, E), e.g. (B, H, Lq, E); float32, bfloat16 or float16; E <= 256.
+        key: (..., Lk, E), the same leading dims and dtype as ``query`` (with ``enable_gqa``,
+            fewer heads in dimension -3: a divisor of query's).
+        value: (..., Lk, Ev), the same leading dims and dtype as ``key``; Ev <= 256.
         attn_mask: optional, broadcastable to (..., Lq, Lk): bool (True = may attend) or float
-            (added to the scores). Treated as a constant (no gradient).
-        dropout_p: attention dropout, applied to the probabilities as PyTorch does (``P * m``
-            before ``P @ V``, ``m`` = 1/(1-p) where kept, 0 where dropped; the backward uses the
-            same ``m``). The mask is keyed (:mod:`lightning_det.ops.dropout`) over each sample's
-            (head, query, key) elements: ``dropout_key`` is required when dropout_p > 0, and
-            the first dimension of query is the batch (its size is ``dropout_key.samples``).
+            (added to the scores). Treated as a constant (no gradient). A query row that may
+            attend nothing gets 0, as PyTorch's SDPA gives.
+        dropout_p: attention dropout, applied to the weights as PyTorch does (``P * m`` before
+            ``P @ V``, ``m`` = 1/(1-p) where kept, 0 where dropped; the backward uses the same
+            ``m``). The mask is keyed (:mod:`lightning_det.ops.dropout`) over each sample's
+            (head, query, key) elements: ``dropout_key`` is required when dropout_p > 0, and the
+            first dimension of query is the batch (its size is ``dropout_key.samples``).
         is_causal: query r attends keys j <= r (upper-left aligned, as PyTorch). Not with attn_mask.
-        scale: score scale, default ``1 / sqrt(E)``.
-        plans: how the exact GEMMs plan their integer slices, as
-            :func:`lightning_det.ops.det_gemm`'s (the bytes never depend on it).
+        scale: score scale, default ``1 / sqrt(E)`` (rounded to fp32).
+        enable_gqa: grouped-query attention, as PyTorch's: query head h reads key/value head
+            h // (H / Hkv); dK and dV are chains over the group's heads.
         dropout_key: the call's :class:`~lightning_det.ops.dropout.DropoutKey` (det_function_mode
             makes one from the step state's position); ignored when dropout_p is 0.
 
@@ -179,11 +142,19 @@ def det_scaled_dot_product_attention(
     lead = tuple(query.shape[:-2])
     lq, e = query.shape[-2:]
     lk = key.shape[-2]
-    if tuple(key.shape) != (*lead, lk, e):
+    klead = tuple(key.shape[:-2])
+    if enable_gqa and klead != lead:
+        heads, kv_heads = query.shape[-3], key.shape[-3]
+        if klead[:-1] != lead[:-1] or kv_heads < 1 or heads % kv_heads:
+            raise ValueError(f"key, value: with enable_gqa the query heads ({heads}) must be a multiple of the "
+                             f"key/value heads, got key {tuple(key.shape)} for query {tuple(query.shape)}")
+    elif klead != lead:
         raise ValueError(f"key: expected shape {(*lead, 'Lk', e)} matching query {tuple(query.shape)}, "
                          f"got {tuple(key.shape)}")
-    if tuple(value.shape[:-1]) != (*lead, lk):
-        raise ValueError(f"value: expected shape {(*lead, lk, 'Ev')} matching key {tuple(key.shape)}, "
+    if key.shape[-1] != e:
+        raise ValueError(f"key: expected shape {(*klead, lk, e)} (query's last dimension {e}), got {tuple(key.shape)}")
+    if tuple(value.shape[:-1]) != (*klead, lk):
+        raise ValueError(f"value: expected shape {(*klead, lk, 'Ev')} matching key {tuple(key.shape)}, "
                          f"got {tuple(value.shape)}")
     for name, t in (("key", key), ("value", value)):
         if t.dtype != query.dtype or t.device != query.device:
@@ -191,24 +162,24 @@ def det_scaled_dot_product_attention(
                              f"got {t.dtype} on {t.device}")
     if is_causal and attn_mask is not None:
         raise ValueError("attn_mask: expected None when is_causal=True (as F.scaled_dot_product_attention)")
-    n = math.prod(lead)
+    # (B, H): the batch first (dropout keys each sample), the rest of the leading dims as heads;
+    # an unbatched grouped-query call (H, L, E) is one sample of H heads
+    b = 1 if len(lead) == 1 and klead != lead else lead[0]
+    h, hkv = math.prod(lead) // max(b, 1), math.prod(klead) // max(b, 1)
     mask = None
-    if is_causal:
-        mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril().expand(n, lq, lk)
-    elif attn_mask is not None:
+    if attn_mask is not None:
         if not isinstance(attn_mask, torch.Tensor):
             raise TypeError(f"attn_mask: expected a tensor or None, got {type(attn_mask).__name__}")
         try:
-            mask = attn_mask.to(query.device).expand(*lead, lq, lk).reshape(n, lq, lk)
+            mask = attn_mask.to(query.device).expand(*lead, lq, lk)
         except RuntimeError as err:
             raise ValueError(f"attn_mask: expected a shape broadcastable to {(*lead, lq, lk)}, "
                              f"got {tuple(attn_mask.shape)}") from err
-        if mask.dtype != torch.bool:
-            mask = mask.detach()
+        mask = _as_4d(mask.detach(), b, h)
     scale = 1.0 / math.sqrt(e) if scale is None else float(scale)
-    dropout = _dropout_arg(dropout_p, dropout_key, lead)
-    out = _DetSDPA.apply(query.reshape(n, lq, e), key.reshape(n, lk, e), value.reshape(n, lk, value.shape[-1]),
-                         mask, scale, plans, dropout)
+    dropout = _dropout_arg(dropout_p, dropout_key, b)
+    out, _ = fused_attention(_as_4d(query, b, h), _as_4d(key, b, hkv), _as_4d(value, b, hkv), mask, scale,
+                             bool(is_causal), dropout)
     return out.reshape(*lead, lq, value.shape[-1])
 
 
@@ -242,9 +213,7 @@ class DetMultiheadSelfAttention(nn.Module):
             raise ValueError(f"x: expected shape (B, L, {self.dim}), got {tuple(x.shape)}")
         b, l, _ = x.shape
         q, k, v = self.qkv(x).view(b, l, 3, self.n_heads, self.dim // self.n_heads).permute(2, 0, 3, 1, 4).unbind(0)
-        state = self.qkv.step_state
-        y = det_scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-                                             plans="default" if state is None else state.plans)
+        y = det_scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
         return self.proj(y.transpose(1, 2).reshape(b, l, self.dim))
 
     def extra_repr(self) -> str:

@@ -1,5 +1,6 @@
-"""How det_function_mode sends the attention calls of library code (Hugging Face eager and sdpa
-attention, hand-written attention) to exact versions.
+"""How det_function_mode sends the hand-written attention of library code (Hugging Face's "eager"
+attention) to exact versions; ``F.scaled_dot_product_attention`` goes to
+:func:`~lightning_det.nn.det_scaled_dot_product_attention` (``enable_gqa`` included).
 
 - ``torch.matmul`` / ``@`` / ``torch.bmm`` / ``torch.mm`` of two float activations (at least 2-D,
   neither a leaf tensor that requires grad nor a view of one, i.e. not a Parameter or its
@@ -7,21 +8,14 @@ attention, hand-written attention) to exact versions.
   with a Parameter is left to PyTorch: its gradient would cross the batch outside the exact
   modules, and the op audit names it in its module.
 - ``F.softmax`` / ``torch.softmax`` / ``Tensor.softmax`` with an explicit ``dim`` -> :func:`det_softmax`.
-- ``F.scaled_dot_product_attention(..., enable_gqa=True)``: the query heads of a group attend the
-  same key/value head, so they are stacked as rows of one (g * Lq, E) slice per key/value head;
-  rows are computed independently (det attention is row-invariant), so each is the bytes of its
-  own head's attention, and dK, dV are exact sums over the group's heads, rounded once.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-from .attention import det_scaled_dot_product_attention
 from .matmul import det_matmul, det_softmax
 
-__all__ = ["MATMUL_FUNCS", "SOFTMAX_FUNCS", "matmul_route", "softmax_route", "det_sdpa_gqa", "NOT_ROUTED"]
+__all__ = ["MATMUL_FUNCS", "SOFTMAX_FUNCS", "matmul_route", "softmax_route", "NOT_ROUTED"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -69,36 +63,3 @@ def softmax_route(func, args, kwargs):
             or x.dim() == 0 or (dtype is not None and dtype not in _FLOATS):
         return NOT_ROUTED
     return det_softmax(x, dim, dtype=dtype)
-
-
-def det_sdpa_gqa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                 enable_gqa=False, *, plans="default", dropout_key=None):
-    """det_scaled_dot_product_attention with ``F.scaled_dot_product_attention``'s ``enable_gqa``."""
-    if not enable_gqa or query.dim() < 3 or key.dim() < 3 or query.shape[-3] == key.shape[-3]:
-        return det_scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                                                is_causal=is_causal, scale=scale, plans=plans, dropout_key=dropout_key)
-    h, hkv = query.shape[-3], key.shape[-3]
-    if h % hkv or value.shape[-3] != hkv:
-        raise ValueError(f"key, value: with enable_gqa the query heads ({h}) must be a multiple of the key/value "
-                         f"heads, got key {tuple(key.shape)} and value {tuple(value.shape)}")
-    lead, (lq, e), lk = tuple(query.shape[:-3]), query.shape[-2:], key.shape[-2]
-    g = h // hkv
-    mask: Optional[torch.Tensor] = None
-    if is_causal:
-        if attn_mask is not None:
-            raise ValueError("attn_mask: expected None when is_causal=True (as F.scaled_dot_product_attention)")
-        mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril()
-    elif attn_mask is not None:
-        if not isinstance(attn_mask, torch.Tensor):
-            raise TypeError(f"attn_mask: expected a tensor or None, got {type(attn_mask).__name__}")
-        mask = attn_mask
-    if mask is not None:
-        try:
-            mask = mask.expand(*lead, h, lq, lk)
-        except RuntimeError as err:
-            raise ValueError(f"attn_mask: expected a shape broadcastable to {(*lead, h, lq, lk)}, "
-                             f"got {tuple(mask.shape)}") from err
-        mask = mask.reshape(*lead, hkv, g * lq, lk)
-    out = det_scaled_dot_product_attention(query.reshape(*lead, hkv, g * lq, e), key, value, attn_mask=mask,
-                                           dropout_p=dropout_p, scale=scale, plans=plans, dropout_key=dropout_key)
-    return out.reshape(*lead, h, lq, value.shape[-1])

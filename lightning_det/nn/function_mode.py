@@ -11,7 +11,8 @@ from typing import Callable, Optional
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .attention_routes import MATMUL_FUNCS, NOT_ROUTED, SOFTMAX_FUNCS, det_sdpa_gqa, matmul_route, softmax_route
+from .attention import det_scaled_dot_product_attention
+from .attention_routes import MATMUL_FUNCS, NOT_ROUTED, SOFTMAX_FUNCS, matmul_route, softmax_route
 from .broadcast_grads import BROADCAST_FUNCS, call_with_exact_broadcasts
 from .dropout import functional_dropout, sdpa_dropout_key
 from .elementwise_routes import TRIG_FUNCS, trig_route
@@ -37,7 +38,7 @@ class _DetFunctionMode(StepStateMode):
             dropout_key, fallback = sdpa_dropout_key(args, kwargs, state, self.strict)
             if fallback:  # dropout_p > 0 without a position, non-strict: PyTorch's own, unverified
                 return func(*args, **kwargs)
-            return det_sdpa_gqa(*args, plans=self._plans(), dropout_key=dropout_key, **kwargs)
+            return det_scaled_dot_product_attention(*args, dropout_key=dropout_key, **kwargs)
         if func is F.dropout:
             return functional_dropout(func, args, kwargs, self.ldet_step_state, self.strict)
         if func is F.cross_entropy:

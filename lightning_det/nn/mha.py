@@ -13,12 +13,13 @@ becomes a DetLinear). Its forward has ``nn.MultiheadAttention.forward``'s signat
   element; when query, key and value are one tensor (self-attention), its gradient is one exact sum
   over all three projections, rounded once; dW and db are exact sums over every row (digits in
   digit mode, as DetLinear's);
-- the attention is :func:`~lightning_det.nn.det_scaled_dot_product_attention` on the (N, H, L, E/H)
-  heads with PyTorch's merged mask (key padding and attn_mask as one float mask, or the causal
-  mask), and ``dropout_p = self.dropout`` in training with a keyed mask (:mod:`.dropout`);
-- the weights, when asked for, are the same probabilities: ``det_softmax(det_matmul(q, k^T) *
-  scale + mask)`` (:mod:`lightning_det.nn.matmul`), whose bytes are the attention's own; the
-  average over heads is an exact sum divided by the head count;
+- the attention is the fused deterministic attention
+  (:func:`~lightning_det.nn.det_scaled_dot_product_attention`) on the (N, H, L, E/H) heads with
+  PyTorch's merged mask (key padding and attn_mask as one float mask, or the causal mask), and
+  ``dropout_p = self.dropout`` in training with a keyed mask (:mod:`.dropout`);
+- the weights, when asked for, are the kernel's own (``attention_probs`` of the same call: the
+  values its output was formed from), after dropout as PyTorch returns them; the average over
+  heads is an exact sum divided by the head count;
 - the output projection is ``out_proj`` (a DetLinear).
 
 Not supported: ``add_bias_kv=True`` (bias_k and bias_v are broadcast over the batch, so their
@@ -42,13 +43,14 @@ from torch.nn.modules.transformer import _detect_is_causal_mask, _get_seq_len
 
 from ..ops import det_finalize, det_gemm, det_gemm_partial
 from ..ops.trust import trusted_fn
-from .attention import det_scaled_dot_product_attention
+from ..ops.attention import AttentionDropout, attention_probs
+from ..ops.dropout import dropout_multiplier
+from .attention import fused_attention
 from .conv1d import _float_dtype
 from .conv1d import _param_grad as _contribute
 from .dropout import FUNCTIONAL_SITE, dropout_key
 from .functional import det_col_sums, det_gelu, det_row_sums
 from .linear import DetLinear
-from .matmul import det_matmul, det_softmax
 from .step_state import StepState
 
 __all__ = [
@@ -233,8 +235,9 @@ class DetMultiheadAttention(nn.MultiheadAttention):
         dropout_p = self.dropout if self.training else 0.0
         # attention dropout: a keyed mask over (sample, head, query, key), like F.dropout's call sites
         dkey = None if dropout_p == 0 else dropout_key(state, FUNCTIONAL_SITE, True, "nn.MultiheadAttention(dropout > 0)")
-        out = det_scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
-                                               plans=plans, dropout_key=dkey)
+        scale = 1.0 / math.sqrt(hd)
+        dropout = None if dkey is None else AttentionDropout(float(dropout_p), dkey)
+        out, stats = fused_attention(q, k, v, mask, scale, causal, dropout)
         out = self.out_proj(out.transpose(1, 2).reshape(n, tgt, e))
         if not batched:
             out = out.squeeze(0)
@@ -242,7 +245,7 @@ class DetMultiheadAttention(nn.MultiheadAttention):
             out = out.transpose(0, 1)
         if not need_weights:
             return out, None
-        weights = self._weights(q, k, mask, plans)
+        weights = self._weights(q, k, stats, mask, scale, dropout)
         if average_attn_weights:
             weights = _DetHeadMean.apply(weights)
         return out, (weights if batched else weights.squeeze(0))
@@ -268,13 +271,15 @@ class DetMultiheadAttention(nn.MultiheadAttention):
             mask = kpm if mask is None else mask + kpm
         return mask
 
-    def _weights(self, q, k, mask, plans) -> torch.Tensor:
-        """The attention probabilities (N, H, L, S) of q's dtype: the det attention's own bytes."""
-        scale = torch.tensor(1.0 / math.sqrt(q.shape[-1]), dtype=torch.float32, device=q.device)
-        s = det_matmul(q.float(), k.float().transpose(-2, -1), plans=plans) * scale
-        if mask is not None:
-            s = s + mask.float()
-        return det_softmax(s, -1).to(q.dtype)
+    @staticmethod
+    def _weights(q, k, stats, mask, scale, dropout) -> torch.Tensor:
+        """The attention weights (N, H, L, S) of q's dtype: the kernel's own, after dropout as
+        nn.MultiheadAttention returns them."""
+        with torch.no_grad():
+            p = attention_probs(q, k, stats, mask, scale, False)
+            if dropout is not None:
+                p = p * dropout_multiplier(p.view(p.shape[0], -1), dropout.p, dropout.key).view(p.shape)
+        return p.to(q.dtype)
 
     def extra_repr(self) -> str:
         return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}, exact=True"
