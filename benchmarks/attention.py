@@ -1,4 +1,4 @@
-"""Exact causal attention forward + backward against F.scaled_dot_product_attention, one run.
+"""Deterministic causal attention forward + backward against F.scaled_dot_product_attention, one run.
 
     python benchmarks/attention.py                          # CUDA, the binding shapes (issue 31), bf16
     python benchmarks/attention.py --dtypes bfloat16,float32 --seqs 1024,2048
@@ -9,8 +9,8 @@ Binding shapes: batch 8, d_model 768 as 12 heads of 64 and as 6 heads of 128, se
 seq 64 and 128, 1 warm-up call, median of 3, on the CPU; a smoke run, never the binding result.
 
 One timed call is ``fn(q, k, v, is_causal=True).backward(go)`` with q.grad, k.grad, v.grad cleared
-first, where fn is lightning_det.nn.det_scaled_dot_product_attention (ours, called as a user
-would: default plans) or torch.nn.functional.scaled_dot_product_attention of the same dtype (the
+first, where fn is lightning_det.nn.det_scaled_dot_product_attention (ours, the fused kernels,
+called as a user would) or torch.nn.functional.scaled_dot_product_attention of the same dtype (the
 baseline; on CUDA bf16/fp16 forced to the flash backend, fp32 left to PyTorch's choice, since
 flash does not take fp32). q, k, v (B, H, L, E) and go ~ randn from fixed seeds, the same tensors
 for both. ratio = baseline_ms / ours_ms, a speed ratio (higher is better; issue 31's target is

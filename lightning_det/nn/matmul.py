@@ -14,8 +14,7 @@ Hugging Face's "eager" attention (and much user code) computes ``torch.matmul(q,
   exactly): ``m = max``, ``e = det_exp(x - m)``, ``p = e / round(exact sum e)`` (an IEEE
   division, in fp64 then rounded once to the output dtype; for fp32 output that is the fp32
   division's bits). Backward: ``dx = p * (g - round(exact sum p * g))``, in fp32, rounded to x's
-  dtype. The same arithmetic as :func:`~lightning_det.nn.det_scaled_dot_product_attention`'s
-  softmax, so ``det_matmul(det_softmax(det_matmul(q, k^T) * scale), v)`` gives its bytes.
+  dtype.
 
 A row's result depends only on that row: not on the batch size, the heads, the thread count.
 """

@@ -92,13 +92,15 @@ VERIFIED_MODULES: dict[str, dict] = {
 
 #: PyTorch functions that ``det_function_mode`` (applied by det_ddp around training and
 #: validation steps) sends to a det version. Same keys as above; tests: tests/test_attention.py,
+#: tests/test_fused_attention.py,
 #: tests/test_det_cross_entropy.py, tests/test_keyed_dropout.py. "device" is listed once the CUDA
 #: test has passed on a GPU.
 VERIFIED_FUNCTIONS: dict[str, dict] = {
     "torch.nn.functional.scaled_dot_product_attention": {
-        "replacement": "det_scaled_dot_product_attention",
+        "replacement": "det_scaled_dot_product_attention (fused kernels, csrc/attention.h)",
         "invariances": ["run-to-run", "batch (sequences)", "heads", "grouped-query heads (enable_gqa)",
-                        "world size (det_ddp)"],
+                        "world size (det_ddp)", "the CUDA kernels' bytes under a CPU emulation of CUDA "
+                        "(tests/test_attention_cuda_emulated.py; not yet run on a GPU)"],
         "verified_on": ["cpu"],
     },
     "torch.matmul": {
