@@ -175,6 +175,27 @@ def time_fn(fn, device: str, warmup: int = 2, repeat: int = 5, min_time: float =
     return statistics.median(times)
 
 
+def interleaved_ratio(base_fn, ours_fn, device: str, rounds: int, warmup: int = 2) -> float:
+    """Median over rounds of (base time / ours time), each round timing base then ours back to
+    back, so a load that drifts during the run (a shared machine) hits both alike."""
+    for _ in range(warmup):
+        base_fn()
+        ours_fn()
+    ratios = []
+    for _ in range(rounds):
+        t = []
+        for fn in (base_fn, ours_fn):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t.append(time.perf_counter() - t0)
+        ratios.append(t[0] / t[1])
+    return statistics.median(ratios)
+
+
 def header(device: str) -> dict:
     return {
         "device": device_name(device),
