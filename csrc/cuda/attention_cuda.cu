@@ -12,6 +12,7 @@
 #include "attention.h"
 #include "attention_checks.h"
 #include "cuda/attention_kernels.cuh"
+#include "cuda/kernel_smem.cuh"
 #include "uninit.h"
 
 namespace ldet {
@@ -24,22 +25,21 @@ int ep_of(const attn::Shape& s) {
   return e <= 64 ? 64 : (e <= 128 ? 128 : 256);
 }
 
-// Opts a kernel into more than 48 KB of dynamic shared memory (once per kernel and process; the
-// attribute is the same for every device of one architecture class).
-template <auto Kernel>
-void set_smem(size_t bytes) {
-  static const bool done = [&] {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-    return true;
-  }();
-  (void)done;
+// The kernel's dynamic shared memory, set up for this device (csrc/cuda/kernel_smem.cuh), or an
+// error naming what the device lacks.
+template <typename Kernel>
+void require_smem(Kernel kernel, size_t bytes, int ep, const char* op) {
+  int dev = 0, optin = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  TORCH_CHECK(prepare_smem(dev, kernel, bytes, &optin), op, " (CUDA): head dimensions up to ", ep, " need ", bytes,
+              " bytes of shared memory per block; this GPU offers ", optin);
 }
 
 template <int EP>
 void launch_fwd(const AttnLaunch& a, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& o,
                 at::Tensor& stats, cudaStream_t stream) {
   constexpr size_t smem = fwd_smem<EP>();
-  set_smem<attn_fwd_kernel<EP>>(smem);
+  require_smem(attn_fwd_kernel<EP>, smem, EP, "attention_fwd");
   const auto& s = a.shape;
   const int64_t blocks = (s.Lq + Tiles<EP>::FQ - 1) / Tiles<EP>::FQ * s.B * s.H;
   TORCH_CHECK(blocks < (int64_t(1) << 31), "attention_fwd (CUDA): too many query tiles: ", blocks);
@@ -53,8 +53,8 @@ void launch_bwd(const AttnLaunch& a, const at::Tensor& q, const at::Tensor& k, c
                 const at::Tensor& dout, const at::Tensor& stats, const at::Tensor& delta, at::Tensor& dq,
                 at::Tensor& dk, at::Tensor& dv, cudaStream_t stream) {
   constexpr size_t smem_q = bwd_q_smem<EP>(), smem_kv = bwd_kv_smem<EP>();
-  set_smem<attn_bwd_q_kernel<EP>>(smem_q);
-  set_smem<attn_bwd_kv_kernel<EP>>(smem_kv);
+  require_smem(attn_bwd_q_kernel<EP>, smem_q, EP, "attention_bwd");
+  require_smem(attn_bwd_kv_kernel<EP>, smem_kv, EP, "attention_bwd");
   const auto& s = a.shape;
   const int64_t blocks_q = (s.Lq + Tiles<EP>::FQ - 1) / Tiles<EP>::FQ * s.B * s.H;
   const int64_t blocks_kv = (s.Lk + Tiles<EP>::KK - 1) / Tiles<EP>::KK * s.B * s.Hkv;
