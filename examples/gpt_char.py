@@ -7,7 +7,7 @@
 The model is written the usual way (nn.Embedding for tokens and positions, pre-LN blocks with
 nn.LayerNorm, causal multi-head self-attention, a GELU MLP, a final LayerNorm and a Linear head).
 With ``--strategy det_ddp`` it goes through ``det_transform`` and its attention is
-``DetMultiheadSelfAttention`` (exact, batch-invariant); with ``--strategy ddp`` it is the same
+``DetMultiheadSelfAttention`` (deterministic, batch-invariant); with ``--strategy ddp`` it is the same
 model with ``nn.Linear`` + ``F.scaled_dot_product_attention`` and Lightning's own DDP: the
 control. Both start from the same weights for the same ``--seed``.
 
