@@ -58,6 +58,22 @@ def test_audit_accepts_det_modules_and_per_sample_losses():
     assert any(op.startswith("aten.nll_loss") for op, _, _ in audit.violations())
 
 
+def test_integer_arithmetic_is_verified_random_draws_and_float_sums_are_not():
+    # HF's position ids: a cumsum of the attention mask, then integer arithmetic
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 0]])
+    with OpAudit() as audit:
+        pos = (torch.cumsum(mask, dim=1) * mask - 1).long()
+        (pos + 2).clamp_min(0)
+    assert audit.violations() == [], audit.violations()
+    assert ("aten.cumsum[integer]", "code outside any module") in audit.records
+    with OpAudit() as audit:
+        torch.cumsum(mask.float(), dim=1)  # a float sum: order-dependent
+        torch.randint(0, 5, (3,))  # a draw from the per-rank generator
+        torch.randperm(4)
+        mask.random_(0, 2)  # integer tensors in and out, but a draw
+    assert [op for op, _, _ in audit.violations()] == ["aten.cumsum", "aten.randint", "aten.randperm", "aten.random_"]
+
+
 def test_verified_set_is_data():
     assert all(k.startswith("aten.") for k in VERIFIED_OPS) and "aten.mm" not in VERIFIED_OPS
     assert "aten.sum" not in VERIFIED_OPS and "aten._log_softmax" in ROWWISE_OPS

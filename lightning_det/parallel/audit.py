@@ -9,6 +9,11 @@ modules and ops they are replaced by exact long-accumulator kernels, and the aud
 runs inside those (the ``trusted()`` regions). The PyTorch functions det_ddp sends to det versions
 (``F.cross_entropy``, ``F.scaled_dot_product_attention``) are listed, with what was verified
 where, in VERIFIED_FUNCTIONS (lightning_det.nn.verified).
+
+Integer arithmetic is exact: any op whose tensor inputs (one at least) and outputs are all
+integer or bool (HF's position ids from ``cumsum`` of an attention mask, index arithmetic) is
+verified, recorded as ``aten.<op>[integer]``, except random draws and sorts, whose ties (and
+draws) are not a function of the values.
 """
 from __future__ import annotations
 
@@ -23,7 +28,8 @@ from ..nn.transform import supported_summary
 from ..nn.verified import VERIFIED_FUNCTIONS
 from ..ops.trust import in_trusted, trusted
 
-__all__ = ["VERIFIED_OPS", "PROJECT_OPS", "ONE_DEVICE", "CPU_EQ_CUDA", "VERIFIED_FUNCTIONS", "OpAudit", "UnverifiedOpError", "trusted"]
+__all__ = ["VERIFIED_OPS", "PROJECT_OPS", "INTEGER_OPS", "ONE_DEVICE", "CPU_EQ_CUDA", "VERIFIED_FUNCTIONS", "OpAudit",
+           "UnverifiedOpError", "trusted"]
 
 _ELEMENTWISE = """add sub mul div neg abs sign where relu threshold_backward clamp clamp_min clamp_max
 maximum minimum eq ne lt le gt ge logical_not logical_and logical_or bitwise_and bitwise_or
@@ -63,6 +69,29 @@ VERIFIED_OPS: Dict[str, VerifiedOp] = {
     **{f"aten.{n}": VerifiedOp("data movement or creation, no arithmetic", ONE_DEVICE) for n in _DATA_MOVEMENT},
     **{f"aten.{n}": VerifiedOp("selection (max/min): exact and order-free", ONE_DEVICE) for n in _SELECTION},
 }
+
+#: Ops whose integer form is still not a function of the inputs' values: random draws, and sorts
+#: and selections whose order among equal keys is the kernel's (an unstable sort).
+_INTEGER_RANDOM = ("rand", "random", "normal", "uniform", "bernoulli", "multinomial", "exponential", "geometric",
+                   "cauchy", "log_normal", "poisson")
+_INTEGER_ORDERED = {"sort", "argsort", "topk", "kthvalue", "mode", "median", "nanmedian", "unique_consecutive",
+                    "_unique", "_unique2", "unique_dim", "msort"}
+INTEGER_OPS = VerifiedOp("integer or bool tensors only: exact integer arithmetic", CPU_EQ_CUDA)
+
+
+def _integral(t) -> bool:
+    return isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex())
+
+
+def _integer_only(func, args, kwargs, out) -> bool:
+    """Whether an op call computed on integer/bool tensors alone (module docstring)."""
+    base = func.__name__.split(".")[0]
+    if base.startswith(_INTEGER_RANDOM) or base.lstrip("_").startswith(_INTEGER_RANDOM) or base in _INTEGER_ORDERED:
+        return False
+    ins = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    return bool(ins) and all(_integral(t) for t in ins + outs)
+
 
 #: The project's own kernels (``torch.ops.ldet``): exact sums and fp64 math written once for both builds.
 PROJECT_OPS: Dict[str, VerifiedOp] = {
@@ -171,13 +200,16 @@ class OpAudit(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if not in_trusted() and not str(func.namespace).startswith("profiler"):
             name = _op_name(func)
             if name.startswith("aten.nll_loss") and len(args) > 3 and args[3] != 0 and name.endswith("forward"):
                 name = f"{name}(reduction={args[3]})"
             name += _qualifier(name, args, kwargs)
+            if name not in VERIFIED_OPS and _integer_only(func, args, kwargs, out):
+                name += "[integer]"
             self.records.append((name, self._where()))
-        return func(*args, **kwargs)
+        return out
 
     def __exit__(self, *exc):
         for h in self._handles:
@@ -190,7 +222,8 @@ class OpAudit(TorchDispatchMode):
         counts: Dict[Tuple[str, str], int] = {}
         for name, where in self.records:
             base = name.split("(")[0]
-            ok = (base.startswith("ldet.") or name in VERIFIED_OPS or name in ROWWISE_OPS) and "(" not in name
+            ok = (base.startswith("ldet.") or name in VERIFIED_OPS or name in ROWWISE_OPS
+                  or name.endswith("[integer]")) and "(" not in name
             if not ok:
                 counts[(name, where)] = counts.get((name, where), 0) + 1
         return [(name, where, n) for (name, where), n in counts.items()]
