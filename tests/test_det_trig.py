@@ -7,9 +7,11 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lightning_det.nn import det_function_mode
-from lightning_det.nn.functional import det_cos, det_sin
+from lightning_det.nn.functional import det_cos, det_sin, det_tanh
+from lightning_det.parallel.audit import OpAudit
 from lightning_det.ops.activation import act_fp64
 
 FNS = [("sin", det_sin, math.sin), ("cos", det_cos, math.cos)]
@@ -67,12 +69,20 @@ def test_elementwise_and_gradient_rounded_once(name, det, ref):
     assert torch.equal(xr.grad, act_fp64(x.double(), name, g.double()).float())
 
 
-def test_det_function_mode_routes_sin_and_cos():
+def test_det_function_mode_routes_sin_cos_and_tanh():
     x = torch.randn(4, 9, generator=torch.Generator().manual_seed(4))
     with det_function_mode():
-        got = [torch.sin(x), x.sin(), torch.cos(x), x.cos(), torch.cos(input=x)]
-    want = [det_sin(x), det_sin(x), det_cos(x), det_cos(x), det_cos(x)]
+        got = [torch.sin(x), x.sin(), torch.cos(x), x.cos(), torch.cos(input=x), torch.tanh(x), F.tanh(x), x.tanh()]
+    want = [det_sin(x), det_sin(x), det_cos(x), det_cos(x), det_cos(x)] + [det_tanh(x)] * 3
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # the gradient of a routed tanh is detmath's, not PyTorch's tanh_backward (outside the verified set)
+    xr = x.clone().requires_grad_()
+    with det_function_mode():
+        y = torch.tanh(xr)
+    with OpAudit() as audit:
+        y.backward(torch.ones_like(y))
+    assert not audit.violations(), audit.violations()
+    assert torch.equal(xr.grad, act_fp64(x.double(), "tanh", torch.ones_like(x).double()).float())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -15,7 +15,7 @@ from .attention import det_scaled_dot_product_attention
 from .attention_routes import MATMUL_FUNCS, NOT_ROUTED, SOFTMAX_FUNCS, matmul_route, softmax_route
 from .broadcast_grads import BROADCAST_FUNCS, call_with_exact_broadcasts
 from .dropout import functional_dropout, sdpa_dropout_key
-from .elementwise_routes import TRIG_FUNCS, trig_route
+from .elementwise_routes import DETMATH_FUNCS, detmath_route
 from .loss import cross_entropy_rows, cross_entropy_unsupported, det_cross_entropy_checked
 from .step_state import StepState, StepStateMode
 
@@ -51,8 +51,8 @@ class _DetFunctionMode(StepStateMode):
             out = softmax_route(func, args, kwargs)
             if out is not NOT_ROUTED:
                 return out
-        elif func in TRIG_FUNCS:
-            out = trig_route(func, args, kwargs)
+        elif func in DETMATH_FUNCS:
+            out = detmath_route(func, args, kwargs)
             if out is not NOT_ROUTED:
                 return out
         if func in BROADCAST_FUNCS and self.ldet_step_state is not None:
@@ -120,7 +120,8 @@ def det_function_mode(strict: bool = True, loss_reduce: Optional[Callable] = Non
     ``torch.matmul`` / ``@`` / ``bmm`` / ``mm`` of two float activations -> ``det_matmul``,
     ``F.softmax`` / ``torch.softmax`` / ``Tensor.softmax`` with a ``dim`` -> ``det_softmax``
     (:mod:`lightning_det.nn.attention_routes`); ``torch.sin`` / ``torch.cos`` (rotary
-    embeddings) -> ``det_sin`` / ``det_cos`` (:mod:`lightning_det.nn.elementwise_routes`).
+    embeddings) / ``torch.tanh`` -> ``det_sin`` / ``det_cos`` / ``det_tanh``
+    (:mod:`lightning_det.nn.elementwise_routes`).
     With a ``state``, broadcasting functions (``+ - * /``, ``where``, ``expand``, ``repeat``, ...)
     route the gradient of a Parameter, a view of one, or a DetEmbedding output that they spread
     across the batch to exact digits (:mod:`lightning_det.nn.broadcast_grads`).

@@ -41,7 +41,7 @@ def det_tanh(x: torch.Tensor) -> torch.Tensor:
 def det_exp(x: torch.Tensor) -> torch.Tensor:
     """exp, as ``torch.exp``: fp64 ``detmath.h`` exp (relative error ~1e-16) rounded once.
 
-    Used by the det softmax of :mod:`lightning_det.nn.attention`; exp(-inf) is +0.0, exp(nan)
+    Used by the det softmax (:mod:`lightning_det.nn.matmul`) and the fused attention; exp(-inf) is +0.0, exp(nan)
     is nan, overflow gives +inf.
     """
     return act(x, "exp")
