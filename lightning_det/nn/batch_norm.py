@@ -25,7 +25,7 @@ position) raises rather than normalize per rank.
 **Arithmetic**, per normalization group j and channel c, over its M = G * spatial elements
 (bf16/fp16 inputs are widened to fp32 exactly):
 
-    mean  = round_fp32(exact sum x) / M                  (IEEE fp32 division)
+    mean  = round_fp32(exact sum x) / M                  (IEEE fp32 division, on CUDA too: div_by_count)
     d     = x - mean
     var   = round_fp32(exact sum d * d) / M              (products exact, one rounding)
     rstd  = fp32(1 / sqrt_fp64(fp64(var + eps)))
@@ -52,7 +52,7 @@ from torch import nn
 
 from ..ops import LongAcc, det_finalize
 from ..ops.trust import trusted, trusted_fn
-from .functional import det_row_sums
+from .functional import det_row_sums, div_by_count
 from .step_state import StepState
 
 __all__ = ["DetBatchNorm1d", "DetBatchNorm2d", "batch_norm_layout"]
@@ -193,12 +193,12 @@ class _DetBatchNormFn(torch.autograd.Function):
                 raise ValueError(f"input: expected more than 1 value per channel in a normalization group, got "
                                  f"{layout.group_size} sample(s) x {S} position(s)")
             groups = layout.sample_groups(x.device)
-            mean_g = det_finalize(layout.reduce(_group_sums(xf, None, layout))) / M
+            mean_g = div_by_count(det_finalize(layout.reduce(_group_sums(xf, None, layout))), M)
             d = xf - mean_g[groups].unsqueeze(-1)
             sq = det_finalize(layout.reduce(_group_sums(d, d, layout)))
-            var_g = sq / M
+            var_g = div_by_count(sq, M)
             rstd = _rstd(var_g, eps)[groups].unsqueeze(-1)  # (B, C, 1)
-            stats.extend([mean_g, sq / (M - 1)])
+            stats.extend([mean_g, div_by_count(sq, M - 1)])
         else:  # running statistics
             d = xf - running_mean.float().view(1, C, 1)
             rstd = _rstd(running_var.float(), eps).view(1, C, 1)
@@ -229,7 +229,7 @@ class _DetBatchNormFn(torch.autograd.Function):
                 M = layout.group_size * xhat.shape[2]
                 # one exact all-reduce for both batch-crossing sums
                 sums = layout.reduce(torch.stack([_group_sums(g, None, layout), _group_sums(g, xhat, layout)]))
-                m = det_finalize(sums) / M  # (2, n_groups, C)
+                m = div_by_count(det_finalize(sums), M)  # (2, n_groups, C)
                 m1, m2 = m[0][groups].unsqueeze(-1), m[1][groups].unsqueeze(-1)
                 gx = (g - m1 - xhat * m2) * rstd
             else:

@@ -18,7 +18,16 @@ from ..ops.activation import act
 from ..ops.sums import det_col_sums, det_row_sums
 
 __all__ = ["det_gelu", "det_silu", "det_tanh", "det_relu", "det_exp", "det_sin", "det_cos", "det_row_sums",
-           "det_col_sums"]
+           "det_col_sums", "div_by_count"]
+
+
+def div_by_count(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t / n``, one IEEE division per element on every device (n < 2^24).
+
+    The divisor is a 0-d fp32 tensor on t's device: PyTorch's CUDA kernel turns a division by a
+    Python number (or a CPU scalar tensor) into a multiply by the rounded reciprocal, which the
+    CPU does not, so ``t / n`` with n not a power of two can differ between the two."""
+    return t / torch.full((), float(n), dtype=torch.float32, device=t.device)
 
 
 def det_gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:

@@ -49,7 +49,7 @@ from .attention import fused_attention
 from .conv1d import _float_dtype
 from .conv1d import _param_grad as _contribute
 from .dropout import FUNCTIONAL_SITE, dropout_key
-from .functional import det_col_sums, det_gelu, det_row_sums
+from .functional import det_col_sums, det_gelu, det_row_sums, div_by_count
 from .linear import DetLinear
 from .step_state import StepState
 
@@ -125,12 +125,12 @@ class _DetHeadMean(torch.autograd.Function):
         n, h, l, s = w.shape
         rows = w.float().permute(0, 2, 3, 1).reshape(n * l * s, h)
         ctx.h = h
-        return (det_finalize(det_row_sums(rows)).reshape(n, l, s) / h).to(w.dtype)
+        return div_by_count(det_finalize(det_row_sums(rows)).reshape(n, l, s), h).to(w.dtype)
 
     @staticmethod
     @trusted_fn
     def backward(ctx, g):
-        return (g / ctx.h).unsqueeze(1).expand(g.shape[0], ctx.h, *g.shape[1:]).contiguous()
+        return div_by_count(g, ctx.h).unsqueeze(1).expand(g.shape[0], ctx.h, *g.shape[1:]).contiguous()
 
 
 class DetMultiheadAttention(nn.MultiheadAttention):
