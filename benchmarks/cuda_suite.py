@@ -57,6 +57,7 @@ SPECS = [
     ("test_keyed_dropout", "cuda"),
     ("test_norm_op", "cuda"),
     ("test_ops_api", ""),
+    ("test_reductions", "cuda"),
     ("test_scatter_sum", "cuda"),
     ("test_slices_guess", "cuda"),
 ]
