@@ -195,6 +195,24 @@ def test_adaptive_avg_pool_is_exact_region_sums():
     assert any("adaptive_avg_pool2d" in op for op, _, _ in audit.violations())
 
 
+def test_adaptive_avg_pool_1d_is_exact_region_sums():
+    from lightning_det.nn import DetAdaptiveAvgPool1d
+
+    x = dyadic((3, 5, 12), 12)
+    for size in (1, 4, None):
+        pool = det_transform(nn.Sequential(nn.AdaptiveAvgPool1d(size)))[0]
+        assert isinstance(pool, DetAdaptiveAvgPool1d)
+        xs = x.clone().requires_grad_()
+        y = pool(xs)
+        ref = F.adaptive_avg_pool1d(x.double(), size or 12)
+        n = 12 // ref.shape[2]
+        assert_bitwise(y, ((ref * n).float() / n), f"pool {size}")
+        assert_bitwise(y[1:2], pool(x[1:2]), f"pool {size} batch")
+        assert_bitwise(pool(x[0]), y[0].detach(), f"pool {size} unbatched")
+        y.backward(torch.ones_like(y))
+        assert torch.equal(xs.grad, torch.full_like(x, 1.0 / n))
+
+
 def test_max_pool_sums_overlapping_window_gradients_exactly():
     from lightning_det.nn import DetMaxPool2d
     from lightning_det.parallel import OpAudit

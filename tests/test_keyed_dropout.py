@@ -212,6 +212,42 @@ def test_two_sites_differ_and_the_key_is_the_global_sample():
     assert not torch.equal(nn.Dropout(0.5)(x)[4:], a[4:])
 
 
+def test_drop_path_is_keyed_per_sample_and_swapped_from_the_library():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.convnext.modeling_convnext import ConvNextDropPath
+    from transformers.models.swin.modeling_swin import SwinDropPath
+
+    from lightning_det.nn import DetDropPath
+
+    model = det_transform(nn.Sequential(ConvNextDropPath(0.5), SwinDropPath(0.5)))
+    assert all(type(m) is DetDropPath for m in model) and (model[0].site, model[1].site) == ("0", "1")
+    state = _state(size=8)
+    set_grad_digits(model, state)
+    x = torch.randn(8, 3, 5, generator=torch.Generator().manual_seed(1))
+    xr = x.clone().requires_grad_()
+    y = model[0](xr)
+    kept = (y != 0).flatten(1).any(1)
+    assert 0 < int(kept.sum()) < 8  # whole samples kept or dropped
+    assert torch.equal(y[kept], x[kept].div(0.5)) and torch.equal(y[~kept], torch.zeros_like(y[~kept]))
+    y.backward(torch.ones_like(y))
+    assert torch.equal(xr.grad[kept], torch.full_like(x[kept], 2.0))
+    # samples 4..7 as another rank's micro-batch: the same decisions
+    state.position = BatchPosition(step=0, offset=4, size=4, global_size=8)
+    assert torch.equal(model[0](x[4:]), y[4:].detach())
+    assert model.eval()[0](x) is x  # eval: the identity
+    # a changed drop path is not recognised: it keeps its class (its ops meet the step's audit)
+    class Other(ConvNextDropPath):
+        def forward(self, hidden_states):
+            return hidden_states * torch.rand(hidden_states.shape[0], 1, 1)
+
+    assert type(det_transform(nn.Sequential(Other(0.1)))[0]) is Other
+
+
+def test_flattened_batch_dropout_is_refused_with_the_fix():
+    with det_function_mode(strict=True, state=_state(size=4)), pytest.raises(ValueError, match="batch \\* seq"):
+        F.dropout(torch.ones(12, 5), 0.5)  # (batch * seq, D): samples mixed in dimension 0
+
+
 def test_eval_and_p0_are_the_identity_without_a_position():
     m = _mlp().eval()
     x = torch.randn(3, 16)

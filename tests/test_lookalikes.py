@@ -110,11 +110,38 @@ def test_hf_rms_norms_become_det_rms_norm(cls):
     assert_bitwise(m(x[:1]), got[:1].detach(), "row invariance")
 
 
+def test_gemma_rms_norm_scales_by_one_plus_weight():
+    m = GemmaRMSNorm(33, eps=1e-6)
+    with torch.no_grad():
+        m.weight.normal_(generator=_gen(11))
+    x = torch.randn(6, 33, generator=_gen(12))
+    want = m(x)
+    keys = list(m.state_dict())
+    det_transform(nn.Sequential(m))
+    assert type(m) is DetRMSNorm and m.weight_offset == 1.0 and m.eps == 1e-6 and list(m.state_dict()) == keys
+    got = m(x)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    # the same kernel as a DetRMSNorm holding 1 + weight, and the weight's gradient is that one's
+    plain = DetRMSNorm(33, eps=1e-6)
+    with torch.no_grad():
+        plain.weight.copy_(1.0 + m.weight)
+    g = torch.randn(6, 33, generator=_gen(13))
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    m(xa).backward(g)
+    plain(xb).backward(g)
+    assert_bitwise(m(x).detach(), plain(x).detach(), "y")
+    assert_bitwise(xa.grad, xb.grad, "dx")
+    assert_bitwise(m.weight.grad, plain.weight.grad, "dW")
+
+
 def test_other_rms_math_is_not_matched():
-    # Gemma scales by (1 + weight): same structure, other math -> reported, with its class
-    model = nn.Sequential(GemmaRMSNorm(33))
-    with pytest.raises(UnsupportedModuleError, match=r"0 \(GemmaRMSNorm\)"):
-        det_transform(model)
+    # Gemma's forward with another _norm: same structure, other math -> reported, with its class
+    class OtherGemmaNorm(GemmaRMSNorm):
+        def _norm(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 2 * self.eps)
+
+    with pytest.raises(UnsupportedModuleError, match=r"0 \(OtherGemmaNorm\)"):
+        det_transform(nn.Sequential(OtherGemmaNorm(33)))
 
     class ScaledRMSNorm(LlamaRMSNorm):
         def forward(self, hidden_states):
@@ -144,17 +171,25 @@ def test_hf_activations_are_swapped(make, cls, approximate):
 
 
 def test_every_uncovered_module_is_named_with_its_class():
+    class OwnNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return x / x.norm(dim=-1, keepdim=True) * self.weight
+
     model = nn.Sequential(nn.Linear(4, 4), hf_act.QuickGELUActivation(), nn.Sigmoid(), nn.Conv3d(1, 1, 1),
-                          GemmaRMSNorm(4))
+                          OwnNorm())
     with pytest.raises(UnsupportedModuleError) as ei:
         det_transform(model)
     msg = str(ei.value)
-    for item in ("1 (QuickGELUActivation)", "2 (Sigmoid)", "3 (Conv3d)", "4 (GemmaRMSNorm)"):
+    for item in ("1 (QuickGELUActivation)", "2 (Sigmoid)", "3 (Conv3d)", "4 (OwnNorm)"):
         assert item in msg, msg
     assert "4 module(s)" in msg and "register_det_module" in msg
     with pytest.warns(UserWarning, match="QuickGELUActivation"):
         det_transform(model, strict=False)
-    assert model.ldet_unverified == ["1 (QuickGELUActivation)", "2 (Sigmoid)", "3 (Conv3d)", "4 (GemmaRMSNorm)"]
+    assert model.ldet_unverified == ["1 (QuickGELUActivation)", "2 (Sigmoid)", "3 (Conv3d)", "4 (OwnNorm)"]
     assert type(model[0]) is DetLinear
 
 
@@ -232,3 +267,53 @@ def test_tiny_hf_models_transform_strictly():
         out.loss.backward()
         # the same sequence alone gives the same logits bytes as beside another one
         assert_bitwise(model(idx[:1]).logits, out.logits[:1].detach(), type(model).__name__)
+
+
+def test_falcon_linear_is_a_det_linear():
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+
+    torch.manual_seed(3)
+    for bias in (True, False):
+        m = FalconLinear(33, 7, bias=bias)
+        x = torch.randn(5, 33, generator=_gen(14))
+        want = m(x)
+        det_transform(nn.Sequential(m))
+        assert type(m) is DetLinear
+        torch.testing.assert_close(m(x), want, rtol=1e-6, atol=1e-6)
+
+
+def test_library_wrappers_run_the_det_module_under_their_own_code():
+    # OPT's positions (integer arithmetic, then the embedding), Gemma's scaled embedding, ConvNext's
+    # channels-first LayerNorm: the library's forward runs unchanged, super().forward is the Det one
+    from transformers.models.convnext.modeling_convnext import ConvNextLayerNorm
+    from transformers.models.gemma.modeling_gemma import GemmaTextScaledWordEmbedding
+    from transformers.models.opt.modeling_opt import OPTLearnedPositionalEmbedding
+
+    from lightning_det.nn import DetEmbedding
+
+    torch.manual_seed(4)
+    mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 0]])
+    ids = torch.randint(0, 11, (2, 5), generator=_gen(15))
+    img = torch.randn(2, 6, 3, 4, generator=_gen(16))
+    cases = [(OPTLearnedPositionalEmbedding(16, 8), (mask,), DetEmbedding),
+             (GemmaTextScaledWordEmbedding(11, 8, padding_idx=0, embed_scale=8 ** 0.5), (ids,), DetEmbedding),
+             (ConvNextLayerNorm(6, data_format="channels_first"), (img,), DetLayerNorm),
+             (ConvNextLayerNorm(4, data_format="channels_last"), (img,), DetLayerNorm)]
+    for m, args, det in cases:
+        cls = type(m)
+        want = m(*args)
+        keys = list(m.state_dict())
+        det_transform(nn.Sequential(m))
+        assert isinstance(m, det) and isinstance(m, cls) and list(m.state_dict()) == keys, type(m).__mro__
+        assert type(m).__mro__[1:3] == (cls, det)
+        got = m(*args)
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+        first = tuple(a[:1] for a in args)
+        assert_bitwise(m(*first), got[:1].detach(), f"{cls.__name__}: one sample alone")
+    # a changed copy of a wrapper's forward is not recognised
+    class OtherPositions(OPTLearnedPositionalEmbedding):
+        def forward(self, attention_mask, cache_length=0, position_ids=None):
+            return super().forward(attention_mask) * 2
+
+    with pytest.raises(UnsupportedModuleError, match=r"0 \(OtherPositions\)"):
+        det_transform(nn.Sequential(OtherPositions(16, 8)))

@@ -4,11 +4,11 @@ from .activation import DetGELU, DetReLU, DetSiLU, DetTanh
 from .batch_norm import DetBatchNorm1d, DetBatchNorm2d
 from .conv import DetConv1d, DetConv2d, det_conv1d, det_conv2d
 from .group_norm import DetGroupNorm
-from .pool import DetAdaptiveAvgPool2d, DetMaxPool2d
+from .pool import DetAdaptiveAvgPool1d, DetAdaptiveAvgPool2d, DetMaxPool2d
 from .attention import DetMultiheadSelfAttention, det_scaled_dot_product_attention
 from .broadcast_grads import BroadcastGradError
 from .conv1d import DetConv1D
-from .dropout import DetDropout
+from .dropout import DetDropout, DetDropPath
 from .embedding import DetEmbedding
 from .functional import det_col_sums, det_cos, det_exp, det_gelu, det_relu, det_row_sums, det_silu, det_sin, det_tanh
 from .function_mode import det_function_mode
@@ -39,9 +39,11 @@ __all__ = [
     "DetBatchNorm1d",
     "DetBatchNorm2d",
     "DetGroupNorm",
+    "DetAdaptiveAvgPool1d",
     "DetAdaptiveAvgPool2d",
     "DetMaxPool2d",
     "DetDropout",
+    "DetDropPath",
     "DetMultiheadSelfAttention",
     "DetMultiheadAttention",
     "DetTransformerEncoderLayer",

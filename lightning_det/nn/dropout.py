@@ -44,11 +44,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.dropout import DropoutKey, keyed_dropout, site_key
+from ..ops.dropout import DropoutKey, dropout_mask, keyed_dropout, site_key
 from ._swap import swap_class
 from .step_state import StepState, current_step_state
 
-__all__ = ["DetDropout", "FUNCTIONAL_SITE", "dropout_key", "functional_dropout", "sdpa_dropout_key",
+__all__ = ["DetDropout", "DetDropPath", "FUNCTIONAL_SITE", "dropout_key", "functional_dropout", "sdpa_dropout_key",
            "name_dropouts"]
 
 #: The site name of F.dropout and attention-dropout calls (numbered per micro-batch).
@@ -113,7 +113,15 @@ def functional_dropout(func, args, kwargs, state: Optional[StepState], strict: b
     if not training or p == 0:
         return x  # the identity: PyTorch returns its input too (and nothing reaches the audit)
     key = dropout_key(state, FUNCTIONAL_SITE, strict, "F.dropout")
-    if key is None or not _fits(x, 0, key, strict, "F.dropout"):
+    if key is None:
+        return func(*args, **kwargs)
+    if strict and isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] != key.samples):
+        raise ValueError(
+            f"F.dropout: input of shape {tuple(x.shape)}: its dimension 0 is not the micro-batch's {key.samples} "
+            "samples, so its masks cannot be keyed per sample (a (batch * seq, D) view mixes samples in one "
+            "dimension, as OPT's decoder layers make). Set that dropout probability to 0 in the model's config, "
+            "or run with strict=False (PyTorch's dropout there, the run labelled unverified)")
+    if not _fits(x, 0, key, strict, "F.dropout"):
         return func(*args, **kwargs)
     return keyed_dropout(x, p, key, batch_dim=0, inplace=inplace)
 
@@ -179,13 +187,8 @@ class DetDropout(nn.Dropout):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return input
-        # the bound state first: a forward recomputed in the backward runs outside any function mode
-        state = self.step_state if self.step_state is not None else current_step_state()
         what = f"DetDropout '{self.site or '<unnamed>'}'"
-        if self.site is None and _missing(what, state) is None:
-            raise RuntimeError(f"{what}: has no site name, which keys its masks; run det_transform(model) (it "
-                               "names each DetDropout by its qualified name) or pass DetDropout(site=...)")
-        key = dropout_key(state, self.site or "", self.strict, what)
+        key = _site_checked_key(self, what)
         if key is None or not _fits(input, self.batch_dim, key, self.strict, what):
             return torch.dropout_(input, self.p, True) if self.inplace else torch.dropout(input, self.p, True)
         return keyed_dropout(input, self.p, key, batch_dim=self.batch_dim, inplace=self.inplace)
@@ -194,17 +197,66 @@ class DetDropout(nn.Dropout):
         return f"{super().extra_repr()}, batch_dim={self.batch_dim}, site={self.site!r}, keyed=True"
 
 
+def _site_checked_key(module, what: str) -> Optional[DropoutKey]:
+    """The key of a keyed-dropout module's call (its bound state first: a forward recomputed in
+    the backward runs outside any function mode), or None where PyTorch's dropout must run."""
+    state = module.step_state if module.step_state is not None else current_step_state()
+    if module.site is None and _missing(what, state) is None:
+        raise RuntimeError(f"{what}: has no site name, which keys its masks; run det_transform(model) (it "
+                           f"names each one by its qualified name) or set its site")
+    return dropout_key(state, module.site or "", module.strict, what)
+
+
+class DetDropPath(nn.Module):
+    """Stochastic depth (drop path) with keyed masks: each sample's residual branch is kept or
+    dropped by a draw keyed like DetDropout's, one per sample (element 0 of a (B, 1) mask), so
+    the same at every world size and split. What det_transform puts in place of the library's
+    drop-path modules (Hugging Face's ``ConvNextDropPath``, ``SwinDropPath`` and their copies,
+    recognised by code: :mod:`lightning_det.nn.lookalikes`).
+
+    The arithmetic is theirs: ``x.div(1 - p) * m``, ``m`` the 0/1 mask in x's dtype. Eval mode
+    and ``drop_prob == 0`` are the identity. Input (B, ...), batch first.
+    """
+
+    supports_grad_digits = True  # bound to the step state by set_grad_digits, like DetDropout
+    step_state: Optional[StepState] = None
+    site: Optional[str] = None
+    strict = True
+
+    def __init__(self, drop_prob: float = 0.0, *, site: Optional[str] = None, strict: bool = True) -> None:
+        super().__init__()
+        self.drop_prob, self.site, self.strict = float(drop_prob), site, bool(strict)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.drop_prob == 0.0 or not self.training:
+            return hidden_states
+        keep_prob = 1 - self.drop_prob
+        shape = (hidden_states.shape[0],) + (1,) * (hidden_states.ndim - 1)
+        what = f"DetDropPath '{self.site or '<unnamed>'}'"
+        key = _site_checked_key(self, what)
+        if key is None or not _fits(hidden_states, 0, key, self.strict, what):
+            random_tensor = torch.rand(shape, dtype=hidden_states.dtype, device=hidden_states.device)
+            return hidden_states.div(keep_prob) * torch.floor(random_tensor + keep_prob)
+        probe = torch.empty((shape[0], 1), dtype=torch.float32, device=hidden_states.device)
+        kept = dropout_mask(probe, self.drop_prob, key).to(hidden_states.dtype).view(shape)
+        return hidden_states.div(keep_prob) * kept
+
+    def extra_repr(self) -> str:
+        return f"p={self.drop_prob}, site={self.site!r}, keyed=True"
+
+
 _SEQUENCE_FIRST_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
 
 def name_dropouts(model: nn.Module, strict: bool) -> None:
-    """det_transform's last pass: every DetDropout without a site gets its qualified name and
-    ``strict``; those directly inside a ``batch_first=False`` transformer layer get batch_dim 1
-    (their inputs are (L, B, D)). Nothing is guessed from sizes (L may equal B)."""
+    """det_transform's last pass: every DetDropout and DetDropPath without a site gets its
+    qualified name and ``strict``; DetDropouts directly inside a ``batch_first=False``
+    transformer layer get batch_dim 1 (their inputs are (L, B, D)). Nothing is guessed from sizes
+    (L may equal B)."""
     for fqn, m in model.named_modules():  # parents before children
         if isinstance(m, _SEQUENCE_FIRST_LAYERS) and not m.self_attn.batch_first:  # the layer's own flag
             for child in m.children():
                 if isinstance(child, DetDropout) and child.site is None:
                     child.batch_dim = 1
-        if isinstance(m, DetDropout) and m.site is None:
+        if isinstance(m, (DetDropout, DetDropPath)) and m.site is None:
             m.site, m.strict = fqn, bool(strict)

@@ -1,21 +1,31 @@
 """Library classes that compute what a Det module computes, recognised by structure and code.
 
 Real models hold lookalike classes: Hugging Face's ``Conv1D`` (a transposed Linear),
-``LlamaRMSNorm`` and its copies (``Qwen2RMSNorm``, ``MistralRMSNorm``, ...), ``T5LayerNorm``,
-HF's activation modules. A class is never matched by its name. The rule, per kind:
+``FalconLinear`` (``x @ W.T + b``), ``LlamaRMSNorm`` and its copies (``Qwen2RMSNorm``,
+``MistralRMSNorm``, ...), ``T5LayerNorm``, ``GemmaRMSNorm`` (``xhat * (1 + weight)``), HF's
+activation modules and drop-path modules (``ConvNextDropPath``, ``SwinDropPath``, ...). A class is
+never matched by its name. The rule, per kind:
 
 1. **Structure**: exactly the expected direct parameters (names and ranks), no buffers, no
    child modules, and the attributes the arithmetic reads (``variance_epsilon``, ``nf``...).
-2. **Code**: the class's ``forward`` has the same bytecode, constants and names as the
-   library's own forward, read from the installed library (``_refs``). A class that changes one
-   operation, a constant or a cast (Gemma's ``1 + weight``, an extra scale) does not match, and
-   det_transform reports it like any other uncovered module.
+2. **Code**: the class's ``forward`` (and the methods it calls) has the same bytecode,
+   constants and names as the library's own, read from the installed library (``_refs``). A
+   class that changes one operation, a constant or a cast does not match, and det_transform
+   reports it like any other uncovered module.
 
 What a match changes: the module's class (in place, keeping its Parameter objects, so
 ``state_dict`` keys and shapes stay loadable both ways) and its rounding, which becomes the
 Det module's (one rounding per output; the exact function is the same). One more difference,
 for RMSNorms: the output has the input's dtype, where HF multiplies the fp32 weight into a
 half-precision input and returns fp32; a model held in one dtype sees no difference.
+
+**Wrappers** of a covered class whose recognised ``forward`` only rearranges its input or output
+around ``super().forward``: OPT's ``OPTLearnedPositionalEmbedding`` (position ids from the
+attention mask, integer arithmetic), Gemma's ``GemmaTextScaledWordEmbedding`` (the output times a
+constant buffer), ConvNext's ``ConvNextLayerNorm`` (permutes for channels-first). The Det class
+is put under the library's class (``class DetX(X, DetBase)``), so ``super().forward`` runs the
+Det module while the library's own code around it runs unchanged, under the op audit like any
+other code.
 """
 from __future__ import annotations
 
@@ -29,7 +39,10 @@ from torch import nn
 
 from .activation import DetGELU, DetSiLU
 from .conv1d import conv1d_to_det
-from .norm import DetRMSNorm
+from .dropout import DetDropPath
+from .embedding import DetEmbedding, _check_options
+from .linear import DetLinear
+from .norm import DetLayerNorm, DetRMSNorm
 
 __all__ = ["match_lookalike"]
 
@@ -62,6 +75,13 @@ def _refs() -> dict:
         "act_attr": "transformers.activations:GELUActivation.forward",
         "gelu_python": "transformers.activations:GELUActivation._gelu_python",
         "gelu_tanh_python": "transformers.activations:GELUTanh._gelu_tanh_python",
+        "falcon_linear": "transformers.models.falcon.modeling_falcon:FalconLinear.forward",
+        "gemma_rms": "transformers.models.gemma.modeling_gemma:GemmaRMSNorm.forward",
+        "gemma_rms_norm": "transformers.models.gemma.modeling_gemma:GemmaRMSNorm._norm",
+        "drop_path": "transformers.models.convnext.modeling_convnext:ConvNextDropPath.forward",
+        "opt_positions": "transformers.models.opt.modeling_opt:OPTLearnedPositionalEmbedding.forward",
+        "gemma_embedding": "transformers.models.gemma.modeling_gemma:GemmaTextScaledWordEmbedding.forward",
+        "convnext_layer_norm": "transformers.models.convnext.modeling_convnext:ConvNextLayerNorm.forward",
     }
     found = {name: _attr(path) for name, path in paths.items()}
     return {name: fn for name, fn in found.items() if fn is not None}
@@ -92,17 +112,63 @@ def _bare(module: nn.Module, params: dict[str, int]) -> bool:
             and next(module.children(), None) is None)
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _forward(module: nn.Module):
     return type(module).forward
 
 
 # ---- what each matched kind becomes ---------------------------------------------------------
 def _to_rms_norm(module: nn.Module) -> nn.Module:
+    return _to_rms_norm_eps(module, module.variance_epsilon)
+
+
+def _to_gemma_rms_norm(module: nn.Module) -> nn.Module:
+    module = _to_rms_norm_eps(module, module.eps)
+    module.weight_offset = 1.0  # Gemma stores the scale as weight - 1
+    return module
+
+
+def _to_rms_norm_eps(module: nn.Module, eps) -> nn.Module:
     module.normalized_shape = (module.weight.shape[0],)
-    module.eps = float(module.variance_epsilon)
+    module.eps = float(eps)
     module.elementwise_affine = True
     module.__class__ = DetRMSNorm
     return module
+
+
+def _to_linear(module: nn.Module) -> nn.Module:
+    module.__class__ = DetLinear
+    return module
+
+
+def _to_drop_path(module: nn.Module) -> nn.Module:
+    module.drop_prob = float(module.drop_prob)
+    module.__class__ = DetDropPath
+    return module
+
+
+@functools.lru_cache(maxsize=None)
+def _det_under(cls: type, det: type) -> type:
+    """``class DetX(X, det)``: X's own code first, whose ``super().forward`` is then det's."""
+    return type(f"Det{cls.__name__}", (cls, det), {"__module__": cls.__module__, "__doc__": cls.__doc__})
+
+
+def _wrapper_factory(base: type, det: type) -> Callable[[nn.Module], nn.Module]:
+    def factory(module: nn.Module) -> nn.Module:
+        if det is DetEmbedding:
+            _check_options(module)  # raises with the reason and the fix
+        module.__class__ = _det_under(type(module), det)
+        return module
+
+    return factory
+
+
+# the wrappers (module docstring): reference forward -> (covered base, its Det class)
+_WRAPPERS = {"opt_positions": (nn.Embedding, DetEmbedding), "gemma_embedding": (nn.Embedding, DetEmbedding),
+             "convnext_layer_norm": (nn.LayerNorm, DetLayerNorm)}
 
 
 def _to_gelu(approximate: str) -> Callable[[nn.Module], nn.Module]:
@@ -141,11 +207,24 @@ def match_lookalike(module: nn.Module) -> Optional[Callable[[nn.Module], nn.Modu
               and tuple(module.bias.shape) == (module.nf,))
         return conv1d_to_det if ok else None
     if _is(fwd, "llama_rms") or _is(fwd, "t5_rms"):
-        eps = getattr(module, "variance_epsilon", None)
-        ok = _bare(module, {"weight": 1}) and isinstance(eps, (int, float)) and not isinstance(eps, bool)
+        ok = _bare(module, {"weight": 1}) and _number(getattr(module, "variance_epsilon", None))
         return _to_rms_norm if ok else None
+    if _is(fwd, "gemma_rms") and _is(getattr(type(module), "_norm", None), "gemma_rms_norm"):
+        ok = _bare(module, {"weight": 1}) and _number(getattr(module, "eps", None))
+        return _to_gemma_rms_norm if ok else None
+    if _is(fwd, "falcon_linear"):
+        ok = isinstance(module, nn.Linear) and _bare(module, {"weight": 2, "bias": 1} if module.bias is not None
+                                                     else {"weight": 2})
+        return _to_linear if ok else None
+    for name, (base, det) in _WRAPPERS.items():
+        if _is(fwd, name):
+            params = {n for n, _ in module.named_parameters(recurse=False)}
+            ok = isinstance(module, base) and params <= {"weight", "bias"} and next(module.children(), None) is None
+            return _wrapper_factory(base, det) if ok else None
     if not _bare(module, {}):
         return None
+    if _is(fwd, "drop_path"):
+        return _to_drop_path if _number(getattr(module, "drop_prob", None)) else None
     if _is(fwd, "silu"):
         return _to_silu
     if _is(fwd, "new_gelu"):

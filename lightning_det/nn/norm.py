@@ -51,11 +51,20 @@ def _grad_or_digits(state: Optional[StepState], param, acc):
     return det_finalize(acc, dtype)
 
 
+def _kernel_weight(weight, width: int, offset: float):
+    """The weight the kernels multiply by, fp32: ``weight`` or ``offset + weight`` (Gemma's RMSNorm
+    scales by ``1 + weight``); d(offset + w)/dw = 1, so dweight is the same exact column sum."""
+    if weight is None:
+        return None
+    w = weight.reshape(width).float()
+    return w if offset == 0.0 else offset + w
+
+
 class _DetNormFn(torch.autograd.Function):
     @staticmethod
     @trusted_fn
-    def forward(ctx, x, weight, bias, state, width, eps, rms):
-        w = None if weight is None else weight.reshape(width).float()
+    def forward(ctx, x, weight, bias, state, width, eps, rms, offset=0.0):
+        w = _kernel_weight(weight, width, offset)
         b = None if bias is None else bias.reshape(width).float()
         # x (rows, width) and y 2-D: y is a fresh tensor, never a view made in here, so in-place
         # ops on the module's output work as on nn.LayerNorm's
@@ -64,6 +73,7 @@ class _DetNormFn(torch.autograd.Function):
         # the state keys gradients by the Parameter objects themselves
         ctx.params = (weight, bias) if state is not None else None
         ctx.state, ctx.width, ctx.rms, ctx.x_shape, ctx.x_dtype = state, width, rms, x.shape, x.dtype
+        ctx.offset = offset
         return y
 
     @staticmethod
@@ -76,7 +86,7 @@ class _DetNormFn(torch.autograd.Function):
         gy2 = gy.reshape(-1, width)
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            w = None if weight is None else weight.reshape(width).float()
+            w = _kernel_weight(weight, width, ctx.offset)
             gx = norm_backward(gy2, xhat, rstd, w, ctx.rms, ctx.x_dtype).reshape(ctx.x_shape)
         want_w = weight is not None and ctx.needs_input_grad[1]
         want_b = bias is not None and ctx.needs_input_grad[2]
@@ -88,7 +98,7 @@ class _DetNormFn(torch.autograd.Function):
         if want_b:
             gb = _grad_or_digits(ctx.state, bias, det_col_sums(gy2))
             gb = None if gb is None else gb.reshape(bias.shape)
-        return gx, gw, gb, None, None, None, None
+        return gx, gw, gb, None, None, None, None, None
 
 
 def _check_input(module, x: torch.Tensor) -> None:
@@ -135,6 +145,9 @@ class DetRMSNorm(nn.RMSNorm):
     """``nn.RMSNorm`` with a batch-invariant, device-independent forward and exact weight grads.
 
     Args: as ``nn.RMSNorm``; ``eps=None`` means ``torch.finfo(input.dtype).eps`` as in PyTorch.
+    ``weight_offset`` (an attribute, default 0.0): the output is ``xhat * (weight_offset +
+    weight)``, one fp32 add before the kernels; det_transform sets 1.0 for Gemma-style RMSNorms,
+    whose parameter is stored as ``weight - 1``.
 
     Shapes: input (..., *normalized_shape), float32/bfloat16/float16; output of the same shape
     and dtype. Same guarantees as :class:`DetLayerNorm`.
@@ -142,6 +155,7 @@ class DetRMSNorm(nn.RMSNorm):
 
     supports_grad_digits = True
     step_state: Optional[StepState] = None  # set by set_grad_digits
+    weight_offset = 0.0
 
     @classmethod
     def from_rms_norm(cls, norm: nn.RMSNorm) -> "DetRMSNorm":
@@ -155,8 +169,10 @@ class DetRMSNorm(nn.RMSNorm):
         state = self.step_state
         if state is not None:
             state.note_forward_use(self.weight)
-        y = _DetNormFn.apply(input.reshape(-1, width), self.weight, None, state, width, eps, True)
+        y = _DetNormFn.apply(input.reshape(-1, width), self.weight, None, state, width, eps, True,
+                             float(self.weight_offset))
         return y.reshape(input.shape)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + ", exact=True"
+        offset = f", weight_offset={self.weight_offset}" if self.weight_offset else ""
+        return super().extra_repr() + offset + ", exact=True"

@@ -1,4 +1,4 @@
-"""DetAdaptiveAvgPool2d and DetMaxPool2d: pooling with exact gradients.
+"""DetAdaptiveAvgPool1d, DetAdaptiveAvgPool2d and DetMaxPool2d: pooling with exact gradients.
 
 **Max pooling** selects, which is exact; PyTorch's backward then adds the gradients of every
 window whose maximum an element is (overlapping windows, e.g. ResNet's 3 x 3 stride-2 stem pool)
@@ -9,7 +9,8 @@ rounded once.
 **Adaptive average pooling**:
 
 Where the input's height and width are multiples of the output's (global average pooling, output
-1 x 1, always is), the regions do not overlap and each output is
+1 x 1, always is), the regions do not overlap and each output is (the 1-D pooling: a 2-D one of
+width 1)
 
     y = round_fp32(exact sum of the region) / n          (IEEE division by the region size n)
 
@@ -29,9 +30,9 @@ from torch import nn
 
 from ..ops import det_finalize, scatter_sum_digits
 from ..ops.trust import trusted_fn
-from .functional import det_row_sums
+from .functional import det_row_sums, div_by_count
 
-__all__ = ["DetAdaptiveAvgPool2d", "DetMaxPool2d"]
+__all__ = ["DetAdaptiveAvgPool1d", "DetAdaptiveAvgPool2d", "DetMaxPool2d"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -43,7 +44,7 @@ class _DetAvgPoolFn(torch.autograd.Function):
         B, C, H, W = x.shape
         kh, kw = H // oh, W // ow
         rows = x.reshape(B, C, oh, kh, ow, kw).permute(0, 1, 2, 4, 3, 5).reshape(-1, kh * kw)
-        y = det_finalize(det_row_sums(rows)) / (kh * kw)
+        y = div_by_count(det_finalize(det_row_sums(rows)), kh * kw)
         ctx.geom = (B, C, oh, kh, ow, kw)
         ctx.x_dtype = x.dtype
         return y.view(B, C, oh, ow).to(x.dtype)
@@ -52,7 +53,7 @@ class _DetAvgPoolFn(torch.autograd.Function):
     @trusted_fn
     def backward(ctx, gy):
         B, C, oh, kh, ow, kw = ctx.geom
-        g = (gy.float() / (kh * kw)).to(ctx.x_dtype).view(B, C, oh, 1, ow, 1)
+        g = div_by_count(gy.float(), kh * kw).to(ctx.x_dtype).view(B, C, oh, 1, ow, 1)
         return g.expand(B, C, oh, kh, ow, kw).reshape(B, C, oh * kh, ow * kw), None, None
 
 
@@ -73,6 +74,28 @@ class DetAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
         if H % oh or W % ow:
             return F.adaptive_avg_pool2d(input, (oh, ow))  # visible to the op audit (module docstring)
         return _DetAvgPoolFn.apply(input, oh, ow)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", exact=True"
+
+
+class DetAdaptiveAvgPool1d(nn.AdaptiveAvgPool1d):
+    """``nn.AdaptiveAvgPool1d`` with exact region sums (module docstring): Swin's and other token
+    poolers. Input (B, C, L) or (C, L), float32/bfloat16/float16."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not isinstance(input, torch.Tensor) or input.dtype not in _FLOATS or input.dim() not in (2, 3):
+            raise TypeError(f"input: expected a 2-D or 3-D float32/bfloat16/float16 tensor, got "
+                            f"{getattr(input, 'dtype', type(input))} of shape {tuple(getattr(input, 'shape', ()))}")
+        if input.dim() == 2:
+            return self.forward(input.unsqueeze(0)).squeeze(0)
+        size = self.output_size
+        o = size[0] if isinstance(size, (tuple, list)) else size
+        L = input.shape[2]
+        o = o or L
+        if L % o:
+            return F.adaptive_avg_pool1d(input, o)  # visible to the op audit (module docstring)
+        return _DetAvgPoolFn.apply(input.unsqueeze(-1), o, 1).squeeze(-1)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", exact=True"

@@ -18,13 +18,16 @@ Which modules are swapped, first rule that applies:
    subclass that only changes ``__init__``: the base's Det class. A subclass that overrides
    ``forward`` computes something the library cannot know, and is reported;
 4. a library lookalike recognised by structure and by its forward's code
-   (:mod:`lightning_det.nn.lookalikes`): HF ``Conv1D``, Llama/Qwen2/T5-style RMSNorms, HF
-   ``SiLUActivation``, ``NewGELUActivation``, ``GELUActivation``, ``GELUTanh``.
+   (:mod:`lightning_det.nn.lookalikes`): HF ``Conv1D``, ``FalconLinear``, Llama/Qwen2/T5-style
+   and Gemma-style RMSNorms, HF ``SiLUActivation``, ``NewGELUActivation``, ``GELUActivation``,
+   ``GELUTanh``, HF drop paths (-> :class:`~lightning_det.nn.DetDropPath`), and the library
+   wrappers whose code only rearranges around ``super().forward`` (OPT's positions, Gemma's
+   scaled embedding, ConvNext's LayerNorm), which get the Det class under their own.
 
 Everything else is reported (strict: raised) when it holds parameters and is a layer: a
 ``torch.nn`` layer without a Det version (Conv3d, Bilinear, ...), a subclass of a covered class
 that could not be swapped (its own ``forward``), or any module holding a ``weight`` or ``bias``
-(a norm or projection with its own arithmetic, e.g. Gemma's RMSNorm); or when it is an
+(a norm or projection with its own arithmetic); or when it is an
 activation or dropout module (from ``torch.nn`` or ``transformers.activations``) with no Det
 version. Any other module that holds parameters directly (a ViT's ``cls_token`` and position
 embedding, a layer scale) keeps them: they are listed in ``model.ldet_loose_params`` and checked
@@ -48,7 +51,7 @@ from .activation import DetGELU, DetReLU, DetSiLU, DetTanh
 from .batch_norm import DetBatchNorm1d, DetBatchNorm2d
 from .conv import DetConv1d, DetConv2d
 from .conv1d import DetConv1D
-from .dropout import DetDropout, name_dropouts
+from .dropout import DetDropout, DetDropPath, name_dropouts
 from .embedding import DetEmbedding, _check_options
 from .group_norm import DetGroupNorm
 from .linear import DetLinear
@@ -56,7 +59,7 @@ from .lookalikes import match_lookalike
 from .mha import (DetMultiheadAttention, DetTransformerDecoderLayer, DetTransformerEncoder,
                   DetTransformerEncoderLayer, TRANSFORMER_SWAPS)
 from .norm import DetLayerNorm, DetRMSNorm
-from .pool import DetAdaptiveAvgPool2d, DetMaxPool2d
+from .pool import DetAdaptiveAvgPool1d, DetAdaptiveAvgPool2d, DetMaxPool2d
 
 __all__ = [
     "det_transform", "register_det_module", "UnsupportedModuleError", "DET_MODULES", "UNVERIFIED_ATTR",
@@ -81,12 +84,14 @@ _SWAPS: dict[type, type] = {
     nn.BatchNorm1d: DetBatchNorm1d,
     nn.BatchNorm2d: DetBatchNorm2d,
     nn.GroupNorm: DetGroupNorm,
+    nn.AdaptiveAvgPool1d: DetAdaptiveAvgPool1d,
     nn.AdaptiveAvgPool2d: DetAdaptiveAvgPool2d,
     nn.MaxPool2d: DetMaxPool2d,
     nn.Dropout: DetDropout,
 }
 DET_MODULES: tuple[type, ...] = tuple(_SWAPS.values()) + (
-    DetConv1D, DetMultiheadAttention, DetTransformerEncoderLayer, DetTransformerEncoder, DetTransformerDecoderLayer)
+    DetConv1D, DetDropPath, DetMultiheadAttention, DetTransformerEncoderLayer, DetTransformerEncoder,
+    DetTransformerDecoderLayer)
 
 # user class -> factory (rule 1)
 _REGISTERED: dict[type, Callable[[nn.Module], nn.Module]] = {}
@@ -126,8 +131,9 @@ def supported_summary() -> str:
     torch_names = ", ".join(f"nn.{c.__name__}" for c in _SWAPS)
     mine = f"; registered: {', '.join(c.__name__ for c in _REGISTERED)}" if _REGISTERED else ""
     return (f"{torch_names} and their subclasses that keep forward; nn.MultiheadAttention, "
-            "nn.TransformerEncoder(Layer), nn.TransformerDecoderLayer; HF Conv1D, Llama/T5-style RMSNorm, "
-            f"HF SiLU/GELU activations{mine}")
+            "nn.TransformerEncoder(Layer), nn.TransformerDecoderLayer; HF Conv1D, FalconLinear, Llama/T5/Gemma-style "
+            "RMSNorms, SiLU/GELU activations, drop paths, OPT/Gemma embeddings, ConvNext LayerNorm"
+            f"{mine}")
 
 
 def _describe(fqn: str, module: nn.Module) -> str:

@@ -24,24 +24,26 @@ _BN = ["run-to-run", "global micro-batch statistics", "accumulation (ghost group
 VERIFIED_MODULES: dict[str, dict] = {
     "Linear": {
         "replacement": "DetLinear",
-        "also_matches": ["subclasses that keep forward (torch's NonDynamicallyQuantizableLinear)"],
+        "also_matches": ["subclasses that keep forward (torch's NonDynamicallyQuantizableLinear)", "HF FalconLinear"],
         "invariances": _COMMON + ["tiling / kernel", "K-sharding", "accumulation (digit mode)", "device"],
         "verified_on": ["cpu", "cuda (H100)", "cuda (H200)"],
     },
     "Embedding": {
         "replacement": "DetEmbedding",
+        "also_matches": ["HF OPTLearnedPositionalEmbedding and GemmaTextScaledWordEmbedding (their code around it)"],
         "invariances": _COMMON + ["batch order / split", "accumulation (digit mode)"],
         "verified_on": ["cpu", "cuda (H200)"],
     },
     "LayerNorm": {
         "replacement": "DetLayerNorm",
-        "also_matches": ["subclasses that keep forward"],
+        "also_matches": ["subclasses that keep forward", "HF ConvNextLayerNorm (its permutes around it)"],
         "invariances": _COMMON + ["accumulation (digit mode)"],
         "verified_on": ["cpu", "cuda (H200)"],
     },
     "RMSNorm": {
         "replacement": "DetRMSNorm",
-        "also_matches": ["HF LlamaRMSNorm and its copies (Qwen2RMSNorm, MistralRMSNorm, ...)", "HF T5LayerNorm"],
+        "also_matches": ["HF LlamaRMSNorm and its copies (Qwen2RMSNorm, MistralRMSNorm, ...)", "HF T5LayerNorm",
+                         "HF GemmaRMSNorm (weight_offset 1: xhat * (1 + weight))"],
         "invariances": _COMMON + ["accumulation (digit mode)"],
         "verified_on": ["cpu", "cuda (H200)"],
     },
@@ -59,6 +61,9 @@ VERIFIED_MODULES: dict[str, dict] = {
     "BatchNorm2d": {"replacement": "DetBatchNorm2d", "invariances": _BN + ["world size (det_ddp)"], "verified_on": ["cpu"]},
     "GroupNorm": {"replacement": "DetGroupNorm", "invariances": _CNN + ["accumulation (digit mode)"],
                   "verified_on": ["cpu"]},
+    "AdaptiveAvgPool1d": {"replacement": "DetAdaptiveAvgPool1d", "verified_on": ["cpu"],
+                          "invariances": ["run-to-run", "batch (row count)", "world size (det_ddp)",
+                                          "non-overlapping regions only"]},
     "AdaptiveAvgPool2d": {"replacement": "DetAdaptiveAvgPool2d", "verified_on": ["cpu"],
                           "invariances": ["run-to-run", "world size (det_ddp)", "non-overlapping regions only"]},
     "MaxPool2d": {"replacement": "DetMaxPool2d", "verified_on": ["cpu"],
@@ -81,6 +86,12 @@ VERIFIED_MODULES: dict[str, dict] = {
         "replacement": "DetDropout",
         "also_matches": ["subclasses that keep forward"],
         "invariances": ["run-to-run", "batch (row count)", "world size (det_ddp)", "accumulation"],
+        "verified_on": ["cpu"],
+    },
+    "transformers.models.convnext.modeling_convnext.ConvNextDropPath": {
+        "replacement": "DetDropPath",
+        "also_matches": ["HF SwinDropPath and the other copies of its code"],
+        "invariances": ["run-to-run", "batch split", "world size (det_ddp)", "keyed per sample"],
         "verified_on": ["cpu"],
     },
     "transformers.pytorch_utils.Conv1D": {
@@ -111,6 +122,16 @@ VERIFIED_FUNCTIONS: dict[str, dict] = {
     "torch.nn.functional.softmax": {
         "replacement": "det_softmax (also torch.softmax, Tensor.softmax, with a dim)",
         "invariances": ["run-to-run", "batch (row count and offset)"],
+        "verified_on": ["cpu"],
+    },
+    "torch.tanh": {
+        "replacement": "det_tanh (also Tensor.tanh, F.tanh; torch.sin / torch.cos -> det_sin / det_cos)",
+        "invariances": ["run-to-run", "elementwise", "gradient rounded once"],
+        "verified_on": ["cpu"],
+    },
+    "torch.sum / torch.mean over dimensions that leave dimension 0": {
+        "replacement": "det_sum / det_mean (also the Tensor methods; lightning_det.nn.reductions)",
+        "invariances": ["run-to-run", "batch (row count)", "exact sum rounded once"],
         "verified_on": ["cpu"],
     },
     "torch.nn.functional.dropout": {
