@@ -4,7 +4,9 @@ det_transform, train to the same bytes at world sizes 1, 2 and 4 and with accumu
 Models (tests/zoo_models.py): Hugging Face GPT-2 (default dropout, the library's own loss through
 ``labels=``), Llama (grouped-query attention, rotary embeddings), ViT (conv patches, cls token,
 position embedding), a ResNet (Conv2d, BatchNorm2d, in-place ReLU, residual ``+=``),
-nn.TransformerEncoder with dropout, and an MLP with Dropout. Each configuration is one launch of
+nn.TransformerEncoder with dropout, and an MLP with Dropout; and, at world sizes 1 and 2 and with
+accumulation 2, eight more Hugging Face models (zoo_models.MORE: BERT, RoBERTa, Qwen2, Gemma, T5,
+Falcon, ConvNext and Swin, each named there for what it adds). Each configuration is one launch of
 tests/zoo_harness.py (gloo, OMP_NUM_THREADS=1) that fits every model 3 steps (AdamWSR; plain runs take torch AdamW). Rank 0
 records the SHA-256 of every parameter, buffer (BatchNorm's running statistics) and optimizer
 state tensor, and the loss, after every step. BatchNorm takes its statistics over groups of 4
@@ -26,7 +28,13 @@ pytest.importorskip("transformers")
 HARNESS = Path(__file__).with_name("zoo_harness.py")
 ROOT = HARNESS.parent.parent
 MODELS = ("gpt2", "llama", "vit", "resnet", "encoder", "mlp_dropout")
+MORE = ("bert", "roberta", "qwen2", "gemma", "t5", "falcon", "convnext", "swin")
 BN_GROUP = 4
+
+
+def _launched(devices: int) -> tuple:
+    """The models a configuration's launch trains: MORE at world sizes 1 and 2 only."""
+    return MODELS + MORE if devices <= 2 else MODELS
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +44,7 @@ def zoo_run(devices=1, accum=1, strategy="det_ddp"):
     """{model: rows (dicts) of its optimizer steps} for one configuration."""
     out = Path(os.environ.get("PYTEST_TMP", "/tmp")) / f"ldet-zoo-{devices}-{accum}-{strategy}-{os.getpid()}.jsonl"
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, str(HARNESS), "--models", ",".join(MODELS), "--devices", str(devices),
+    cmd = [sys.executable, str(HARNESS), "--models", ",".join(_launched(devices)), "--devices", str(devices),
            "--accum", str(accum), "--strategy", strategy, "--out", str(out)]
     if strategy == "det_ddp":
         cmd += ["--bn-group", str(BN_GROUP)]
@@ -64,8 +72,11 @@ def state(rows):
     return [(r["params_sha256"], r["buffers_sha256"], r["optim_sha256"]) for r in rows]
 
 
-@pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("devices,accum", [(2, 1), (4, 1), (1, 2)])
+SPLITS = [(model, 2, 1) for model in MODELS + MORE] + [(model, 4, 1) for model in MODELS] + \
+    [(model, 1, 2) for model in MODELS + MORE]
+
+
+@pytest.mark.parametrize("model,devices,accum", SPLITS)
 def test_zoo_model_is_split_invariant(model, devices, accum):
     base = steps(1, 1, model)
     other = steps(devices, accum, model)
@@ -74,7 +85,7 @@ def test_zoo_model_is_split_invariant(model, devices, accum):
         assert [r["loss_hex"] for r in other] == [r["loss_hex"] for r in base]
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", MODELS + MORE)
 def test_plain_ddp_control_differs(model):
     # the same models and data without det_ddp: world size 2 is not world size 1
     one, two = steps(1, 1, model, strategy="ddp"), steps(2, 1, model, strategy="ddp")

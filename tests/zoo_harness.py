@@ -24,7 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import lightning as L  # noqa: E402
-from zoo_models import ZOO, make_data  # noqa: E402
+from zoo_models import MORE, ZOO, make_data  # noqa: E402
+
+MODELS = {**ZOO, **MORE}
 
 from lightning_det.optim import AdamWSR  # noqa: E402
 
@@ -49,7 +51,7 @@ def optimizer_digest(opt) -> str:
 class ZooModule(L.LightningModule):
     def __init__(self, name: str, det: bool):
         super().__init__()
-        self.entry, self.det = ZOO[name], det
+        self.entry, self.det = MODELS[name], det
         torch.manual_seed(1234)  # the same initial weights on every rank and world size
         self.model = self.entry.build()
         if det:
@@ -100,7 +102,7 @@ class Recorder(L.Callback):
 
 
 def fit(args, name: str) -> None:
-    entry = ZOO[name]
+    entry = MODELS[name]
     n = args.global_batch * args.steps  # the same data and order for every configuration
     per_rank = args.global_batch // (args.devices * args.accum)
     assert per_rank * args.devices * args.accum == args.global_batch, "global batch must divide evenly"
@@ -121,7 +123,7 @@ def fit(args, name: str) -> None:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--models", required=True, help="comma-separated names from zoo_models.ZOO")
+    p.add_argument("--models", required=True, help="comma-separated names from zoo_models.ZOO or MORE")
     p.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--accum", type=int, default=1)

@@ -16,7 +16,7 @@ from torch import nn
 
 VOCAB, SEQ, CLASSES, IMAGE = 64, 8, 5, 8
 
-__all__ = ["ZOO", "ZooEntry", "make_data"]
+__all__ = ["ZOO", "MORE", "ZooEntry", "make_data"]
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,53 @@ ZOO = {
     "resnet": ZooEntry(ResNet, "images", _ce_loss),
     "encoder": ZooEntry(EncoderClassifier, "tokens_cls", _ce_loss),
     "mlp_dropout": ZooEntry(_mlp, "vectors", _ce_loss),
+}
+
+
+# ---- more library models, each for what it adds to the six above -------------------------------
+def _hf(config: str, model: str, **kw) -> Callable[[], nn.Module]:
+    def build():
+        import transformers
+
+        return getattr(transformers, model)(getattr(transformers, config)(**kw))
+
+    return build
+
+
+def _cls_loss(model, batch):
+    tokens, labels = batch
+    return model(input_ids=tokens, labels=labels).loss
+
+
+_TINY_LM = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                max_position_embeddings=16)
+
+MORE = {
+    # token-type embeddings, a pooler with nn.Tanh, absolute positions broadcast over the batch
+    "bert": ZooEntry(_hf("BertConfig", "BertForSequenceClassification", num_labels=CLASSES, **_TINY_LM),
+                     "tokens_cls", _cls_loss),
+    # position ids from a cumsum of the padding mask (integers), torch.tanh in the head
+    "roberta": ZooEntry(_hf("RobertaConfig", "RobertaForSequenceClassification", num_labels=CLASSES,
+                            **{**_TINY_LM, "max_position_embeddings": 20}), "tokens_cls", _cls_loss),
+    # biased q/k/v projections, grouped-query heads
+    "qwen2": ZooEntry(_hf("Qwen2Config", "Qwen2ForCausalLM", num_key_value_heads=1, **_TINY_LM), "tokens", _lm_loss),
+    # (1 + weight) RMSNorms, an embedding scaled by a buffer, tanh-GELU
+    "gemma": ZooEntry(_hf("GemmaConfig", "GemmaForCausalLM", num_key_value_heads=1, head_dim=8, **_TINY_LM),
+                      "tokens", _lm_loss),
+    # encoder-decoder, relative position bias, no attention scaling
+    "t5": ZooEntry(_hf("T5Config", "T5ForConditionalGeneration", vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32,
+                       num_layers=2, num_heads=2, decoder_start_token_id=0), "tokens", _lm_loss),
+    # FalconLinear projections, parallel attention and MLP
+    "falcon": ZooEntry(_hf("FalconConfig", "FalconForCausalLM", vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2,
+                           num_attention_heads=2, max_position_embeddings=16), "tokens", _lm_loss),
+    # channels-first LayerNorms, depthwise convolutions, layer scale, drop path, a global mean
+    "convnext": ZooEntry(_hf("ConvNextConfig", "ConvNextForImageClassification", num_channels=3, patch_size=2,
+                             num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], image_size=IMAGE, num_labels=CLASSES,
+                             drop_path_rate=0.2), "images", _vit_loss),
+    # shifted-window attention with float masks, drop path, an AdaptiveAvgPool1d pooler
+    "swin": ZooEntry(_hf("SwinConfig", "SwinForImageClassification", image_size=IMAGE, patch_size=2, num_channels=3,
+                         embed_dim=8, depths=[1, 1], num_heads=[2, 2], window_size=2, num_labels=CLASSES,
+                         drop_path_rate=0.2), "images", _vit_loss),
 }
 
 
