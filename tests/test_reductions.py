@@ -8,7 +8,7 @@ from conftest import assert_bitwise, cuda
 
 from lightning_det.nn import det_function_mode
 from lightning_det.nn.functional import div_by_count
-from lightning_det.nn.reductions import det_mean, det_sum
+from lightning_det.nn.reductions import det_cumsum, det_mean, det_sum
 from lightning_det.parallel import OpAudit
 
 
@@ -78,6 +78,32 @@ def test_the_function_mode_routes_per_sample_reductions_only():
     assert [(op, n) for op, _, n in audit.violations()] == [("aten.sum", 2), ("aten.mean", 1)], audit.violations()
 
 
+def test_cumsum_rounds_each_exact_prefix_once():
+    x = _wide((3, 41), 8)
+    xr = x.clone().requires_grad_()
+    y = det_cumsum(xr, 1)
+    for b in range(3):
+        for j in (0, 7, 40):
+            assert y[b, j].item() == _round32(_exact_sum(x[b, :j + 1]))
+    # the control: PyTorch's running sum (fp64 on the CPU) loses the 1 that the exact prefix keeps
+    spread = torch.tensor([[2.0 ** 60, 1.0, -2.0 ** 60]])
+    assert det_cumsum(spread, 1)[0, -1].item() == 1.0 and torch.cumsum(spread, 1)[0, -1].item() == 0.0
+    assert_bitwise(det_cumsum(x[1:], 1), y[1:].detach(), "rows")
+    g = _wide((3, 41), 9)
+    y.backward(g)
+    for b in range(3):
+        assert xr.grad[b, 5].item() == _round32(_exact_sum(g[b, 5:]))  # the reversed prefix
+    # routed: OPT's position ids from a float mask; a cumsum along dimension 0 is not
+    mask = torch.tensor([[0.0, 1, 1, 1], [1, 1, 1, 0]])
+    with OpAudit() as audit, det_function_mode():
+        pos = (torch.cumsum(mask, dim=1) * mask - 1).long()
+        mask.cumsum(0)
+    assert pos.tolist() == [[-1, 0, 1, 2], [0, 1, 2, -1]]
+    assert [op for op, _, _ in audit.violations()] == ["aten.cumsum"], audit.violations()
+    with pytest.raises(ValueError, match="det_cumsum: expected"):
+        det_cumsum(x, 0)
+
+
 def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="det_sum: expected .* dims leaving dimension 0"):
         det_sum(torch.ones(3, 4), 0)
@@ -103,3 +129,5 @@ def test_cuda_divisions_by_a_count_give_the_cpu_bytes():
     for dims in ((1,), (1, 2)):
         y = _wide((8, 9, 11), 7)
         assert_bitwise(det_mean(y.cuda(), dims).cpu(), det_mean(y, dims), f"det_mean {dims}")
+    y = _wide((4, 300), 8)
+    assert_bitwise(det_cumsum(y.cuda(), 1).cpu(), det_cumsum(y, 1), "det_cumsum")

@@ -16,7 +16,7 @@ from .attention_routes import MATMUL_FUNCS, NOT_ROUTED, SOFTMAX_FUNCS, matmul_ro
 from .broadcast_grads import BROADCAST_FUNCS, call_with_exact_broadcasts
 from .dropout import functional_dropout, sdpa_dropout_key
 from .elementwise_routes import DETMATH_FUNCS, detmath_route
-from .reductions import REDUCTION_FUNCS, reduction_route
+from .reductions import CUMSUM_FUNCS, REDUCTION_FUNCS, cumsum_route, reduction_route
 from .loss import cross_entropy_rows, cross_entropy_unsupported, det_cross_entropy_checked
 from .step_state import StepState, StepStateMode
 
@@ -58,6 +58,10 @@ class _DetFunctionMode(StepStateMode):
                 return out
         elif func in REDUCTION_FUNCS:
             out = reduction_route(func, args, kwargs)
+            if out is not NOT_ROUTED:
+                return out
+        elif func in CUMSUM_FUNCS:
+            out = cumsum_route(func, args, kwargs)
             if out is not NOT_ROUTED:
                 return out
         if func in BROADCAST_FUNCS and self.ldet_step_state is not None:
@@ -126,9 +130,9 @@ def det_function_mode(strict: bool = True, loss_reduce: Optional[Callable] = Non
     ``F.softmax`` / ``torch.softmax`` / ``Tensor.softmax`` with a ``dim`` -> ``det_softmax``
     (:mod:`lightning_det.nn.attention_routes`); ``torch.sin`` / ``torch.cos`` (rotary
     embeddings) / ``torch.tanh`` -> ``det_sin`` / ``det_cos`` / ``det_tanh``
-    (:mod:`lightning_det.nn.elementwise_routes`); ``sum`` / ``mean`` of a float tensor over
-    dimensions that leave the batch (dimension 0) alone -> ``det_sum`` / ``det_mean``
-    (:mod:`lightning_det.nn.reductions`).
+    (:mod:`lightning_det.nn.elementwise_routes`); ``sum`` / ``mean`` / ``cumsum`` of a float
+    tensor over dimensions that leave the batch (dimension 0) alone -> ``det_sum`` /
+    ``det_mean`` / ``det_cumsum`` (:mod:`lightning_det.nn.reductions`).
     With a ``state``, broadcasting functions (``+ - * /``, ``where``, ``expand``, ``repeat``, ...)
     route the gradient of a Parameter, a view of one, or a DetEmbedding output that they spread
     across the batch to exact digits (:mod:`lightning_det.nn.broadcast_grads`).

@@ -1,12 +1,14 @@
-"""Exact sums and means over a sample's own dimensions, as model code calls them.
+"""Exact sums, means and cumulative sums over a sample's own dimensions, as model code calls them.
 
-``torch.sum`` / ``torch.mean`` / ``Tensor.sum`` / ``Tensor.mean`` of a float tensor over
-explicit dimensions that leave dimension 0 (the batch) alone: ConvNext's global average pool
-``x.mean([-2, -1])``, a sentence embedding's ``h.mean(1)``, a masked ``(h * m).sum(1)``. Under
-``det_function_mode`` they come here:
+``torch.sum`` / ``torch.mean`` / ``torch.cumsum`` and their ``Tensor`` methods, of a float tensor
+over explicit dimensions that leave dimension 0 (the batch) alone: ConvNext's global average pool
+``x.mean([-2, -1])``, a sentence embedding's ``h.mean(1)``, a masked ``(h * m).sum(1)``, OPT's
+position ids ``torch.cumsum(mask, dim=1)`` of a float mask. Under ``det_function_mode`` they come
+here:
 
-    sum  = the exact sum over the reduced dimensions, rounded once to the output dtype
-    mean = round_fp32(exact sum) / n (an IEEE division, div_by_count), then to the output dtype
+    sum    = the exact sum over the reduced dimensions, rounded once to the output dtype
+    mean   = round_fp32(exact sum) / n (an IEEE division, div_by_count), then to the output dtype
+    cumsum = each exact prefix sum rounded once (the elements' digits, cumulated in int64)
 
 Each output element depends on its own row alone (the long accumulator's row sums), so on the
 sample alone, in any batch size, thread count or device. Backward: the output gradient
@@ -21,13 +23,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..ops import det_finalize
+from ..ops import det_finalize, to_digits
 from ..ops.sums import det_row_sums
 from ..ops.trust import trusted_fn
 from .attention_routes import NOT_ROUTED
 from .functional import div_by_count
 
-__all__ = ["REDUCTION_FUNCS", "det_sum", "det_mean", "reduction_route"]
+__all__ = ["REDUCTION_FUNCS", "CUMSUM_FUNCS", "det_sum", "det_mean", "det_cumsum", "reduction_route", "cumsum_route"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -122,3 +124,68 @@ def reduction_route(func, args, kwargs):
     if out is not None or dim is None:
         return NOT_ROUTED
     return _reduce(x, dim, keepdim, dtype, REDUCTION_FUNCS[func])
+
+
+# Cumulated digits stay inside int64 and the status counters below 2^21 for fewer terms than this
+# (csrc/longacc.h: canonical digits below 2^32, the top one within 2^41 in magnitude).
+_CUMSUM_MAX = (1 << 21) - 1
+
+
+def _exact_cumsum(x: torch.Tensor, dim: int, dtype: torch.dtype, reverse: bool = False) -> torch.Tensor:
+    d = to_digits(x)
+    if reverse:
+        return det_finalize(torch.cumsum(d.flip(dim), dim).flip(dim), dtype)
+    return det_finalize(torch.cumsum(d, dim), dtype)
+
+
+class _DetCumsum(torch.autograd.Function):
+    @staticmethod
+    @trusted_fn
+    def forward(ctx, x, dim, out_dtype):
+        ctx.dim, ctx.x_dtype = dim, x.dtype
+        return _exact_cumsum(x, dim, out_dtype)
+
+    @staticmethod
+    @trusted_fn
+    def backward(ctx, gy):
+        gy = gy if gy.dtype in _FLOATS else gy.float()
+        return _exact_cumsum(gy, ctx.dim, ctx.x_dtype, reverse=True), None, None
+
+
+def _cumsum(x, dim, dtype):
+    if not isinstance(x, torch.Tensor) or x.dtype not in _FLOATS or x.dim() < 2:
+        return NOT_ROUTED
+    if dtype is not None and dtype not in _FLOATS:
+        return NOT_ROUTED
+    dims = _dims(x, dim) if isinstance(dim, int) and not isinstance(dim, bool) else None
+    if dims is None or x.shape[dims[0]] > _CUMSUM_MAX:
+        return NOT_ROUTED
+    return _DetCumsum.apply(x, dims[0], dtype or x.dtype)
+
+
+def det_cumsum(x: torch.Tensor, dim: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``torch.cumsum(x, dim, dtype=dtype)`` exactly: every prefix sum rounded once (module
+    docstring), for a float tensor and a dim other than 0 of fewer than 2^21 elements. The
+    gradient is the reversed cumulative sum of the output gradient, exact in the same way."""
+    out = _cumsum(x, dim, dtype)
+    if out is NOT_ROUTED:
+        raise ValueError(f"det_cumsum: expected a float tensor of at least 2 dims and an int dim other than 0 "
+                         f"of fewer than 2^21 elements, got {getattr(x, 'dtype', type(x))} of shape "
+                         f"{tuple(getattr(x, 'shape', ()))} and dim={dim!r}")
+    return out
+
+
+CUMSUM_FUNCS = frozenset({torch.cumsum, torch.Tensor.cumsum})
+
+
+def _cumsum_signature(input, dim, *, dtype=None, out=None):
+    return input, dim, dtype, out
+
+
+def cumsum_route(func, args, kwargs):
+    """det_cumsum for a per-sample float cumulative sum, else NOT_ROUTED."""
+    try:
+        x, dim, dtype, out = _cumsum_signature(*args, **kwargs)
+    except TypeError:
+        return NOT_ROUTED
+    return NOT_ROUTED if out is not None else _cumsum(x, dim, dtype)

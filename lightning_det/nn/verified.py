@@ -129,9 +129,9 @@ VERIFIED_FUNCTIONS: dict[str, dict] = {
         "invariances": ["run-to-run", "elementwise", "gradient rounded once"],
         "verified_on": ["cpu"],
     },
-    "torch.sum / torch.mean over dimensions that leave dimension 0": {
-        "replacement": "det_sum / det_mean (also the Tensor methods; lightning_det.nn.reductions)",
-        "invariances": ["run-to-run", "batch (row count)", "exact sum rounded once"],
+    "torch.sum / torch.mean / torch.cumsum over dimensions that leave dimension 0": {
+        "replacement": "det_sum / det_mean / det_cumsum (also the Tensor methods; lightning_det.nn.reductions)",
+        "invariances": ["run-to-run", "batch (row count)", "exact sum (each prefix) rounded once"],
         "verified_on": ["cpu"],
     },
     "torch.nn.functional.dropout": {
