@@ -160,6 +160,11 @@ MORE = {
     # encoder-decoder, relative position bias, no attention scaling
     "t5": ZooEntry(_hf("T5Config", "T5ForConditionalGeneration", vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32,
                        num_layers=2, num_heads=2, decoder_start_token_id=0), "tokens", _lm_loss),
+    # learned positions offset by 2, from a float cumsum of the attention mask; its dropouts at 0
+    # (its decoder layers drop out a (batch * seq, D) view, which cannot be keyed per sample)
+    "opt": ZooEntry(_hf("OPTConfig", "OPTForCausalLM", vocab_size=VOCAB, hidden_size=16, ffn_dim=32,
+                        num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=16, word_embed_proj_dim=16,
+                        dropout=0.0), "tokens", _lm_loss),
     # FalconLinear projections, parallel attention and MLP
     "falcon": ZooEntry(_hf("FalconConfig", "FalconForCausalLM", vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2,
                            num_attention_heads=2, max_position_embeddings=16), "tokens", _lm_loss),
