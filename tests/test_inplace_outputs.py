@@ -108,6 +108,40 @@ def test_linear_then_inplace_relu_and_residual_plain_autograd():
         assert_bitwise(g, w, "in place vs out of place")
 
 
+@pytest.mark.parametrize("make, shape", [
+    (lambda: nn.Conv2d(4, 4, 3, padding=1), (2, 4, 1, 1)),  # a 1 x 1 output: contiguous() keeps the view
+    (lambda: nn.Conv1d(4, 4, 1), (2, 4, 1)),
+    (lambda: nn.AdaptiveAvgPool2d(1), (2, 4, 3, 3)),
+    (lambda: nn.AdaptiveAvgPool1d(1), (2, 4, 6)),
+])
+def test_inplace_after_conv_and_pool_outputs(make, shape):
+    from lightning_det.nn import det_transform
+
+    m = det_transform(nn.Sequential(make()))
+    x = gen.normal(shape, torch.float32, 3)
+    outs = []
+    for inplace in (False, True):
+        xi = x.clone().requires_grad_()
+        h = m(xi)
+        h = F.relu(h, inplace=True) if inplace else F.relu(h)
+        h.sum().backward()
+        outs.append([h.detach(), xi.grad])
+    for g, w in zip(*outs):
+        assert_bitwise(g, w, "in place vs out of place")
+
+
+def test_inplace_after_per_sample_reductions():
+    from lightning_det.nn.reductions import det_mean, det_sum
+
+    x = gen.normal((3, 4, 5), torch.float32, 4)
+    for fn in (det_sum, det_mean):
+        xi = x.clone().requires_grad_()
+        h = fn(xi, (1, 2), True)
+        h += 1
+        h.sum().backward()
+        assert torch.equal(xi.grad, torch.full_like(x, 1.0 if fn is det_sum else 1.0 / 20))
+
+
 def test_control_a_function_returning_a_view_cannot_be_modified_in_place():
     # the failure the det Functions avoid: an output made as a view inside forward
     class ViewOut(torch.autograd.Function):

@@ -34,7 +34,7 @@ from torch import nn
 
 from ..ops import det_combine, det_finalize, det_gemm, det_gemm_partial
 from ..ops.trust import trusted_fn
-from .functional import det_col_sums
+from .functional import det_col_sums, fresh
 from .step_state import StepState
 
 __all__ = ["DetConv1d", "DetConv2d", "det_conv1d", "det_conv2d"]
@@ -121,9 +121,10 @@ class _DetConvFn(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.state, ctx.plans = state, plans
         ctx.geom = (stride, pads, dilation, groups, (Hp, Wp), (Ho, Wo))
-        # a fresh contiguous tensor, not a view: in-place ops on the output work
+        # a fresh contiguous tensor, not a view: in-place ops on the output work (contiguous()
+        # returns the view itself where it already is, a 1 x 1 output: fresh copies it then)
         y = y2.view(B, Ho, Wo, O).permute(0, 3, 1, 2)
-        return y.squeeze(2).contiguous() if ctx.one_d else y.contiguous()
+        return fresh((y.squeeze(2) if ctx.one_d else y).contiguous())
 
     @staticmethod
     @trusted_fn

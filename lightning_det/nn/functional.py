@@ -17,8 +17,14 @@ import torch
 from ..ops.activation import act
 from ..ops.sums import det_col_sums, det_row_sums
 
-__all__ = ["det_gelu", "det_silu", "det_tanh", "det_relu", "det_exp", "det_sin", "det_cos", "det_row_sums",
-           "det_col_sums", "div_by_count"]
+__all__ = ["det_gelu", "det_silu", "det_tanh", "det_sigmoid", "det_relu", "det_exp", "det_sin", "det_cos",
+           "det_row_sums", "det_col_sums", "div_by_count", "fresh"]
+
+
+def fresh(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it where it is a view: what an autograd Function returns must not be a
+    view of a tensor made inside it, or an in-place op on the output (``relu_``, ``+=``) raises."""
+    return t.clone() if t._is_view() else t
 
 
 def div_by_count(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -45,6 +51,13 @@ def det_silu(x: torch.Tensor) -> torch.Tensor:
 def det_tanh(x: torch.Tensor) -> torch.Tensor:
     """tanh, as ``torch.tanh``."""
     return act(x, "tanh")
+
+
+def det_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """sigmoid, as ``torch.sigmoid``: 1 / (1 + exp(-x)) (for x < 0 exp(x) / (1 + exp(x))) in fp64,
+    rounded once; its gradient s * sigmoid(-x), without the cancellation of s * (1 - s).
+    PyTorch's CPU sigmoid is position-dependent at odd widths (docs/det_modules.md)."""
+    return act(x, "sigmoid")
 
 
 def det_exp(x: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from torch import nn
 
 from ..ops import det_finalize, scatter_sum_digits
 from ..ops.trust import trusted_fn
-from .functional import det_row_sums, div_by_count
+from .functional import det_row_sums, div_by_count, fresh
 
 __all__ = ["DetAdaptiveAvgPool1d", "DetAdaptiveAvgPool2d", "DetMaxPool2d"]
 
@@ -47,7 +47,7 @@ class _DetAvgPoolFn(torch.autograd.Function):
         y = div_by_count(det_finalize(det_row_sums(rows)), kh * kw)
         ctx.geom = (B, C, oh, kh, ow, kw)
         ctx.x_dtype = x.dtype
-        return y.view(B, C, oh, ow).to(x.dtype)
+        return fresh(y.view(B, C, oh, ow).to(x.dtype))  # not a view: in-place ops on it work
 
     @staticmethod
     @trusted_fn

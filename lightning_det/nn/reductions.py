@@ -27,7 +27,7 @@ from ..ops import det_finalize, to_digits
 from ..ops.sums import det_row_sums
 from ..ops.trust import trusted_fn
 from .attention_routes import NOT_ROUTED
-from .functional import div_by_count
+from .functional import div_by_count, fresh
 
 __all__ = ["REDUCTION_FUNCS", "CUMSUM_FUNCS", "det_sum", "det_mean", "det_cumsum", "reduction_route", "cumsum_route"]
 
@@ -51,7 +51,7 @@ class _DetReduce(torch.autograd.Function):
         if keepdim:
             for d in dims:
                 y = y.unsqueeze(d)
-        return y
+        return fresh(y)  # not a view made in here: in-place ops on the output work
 
     @staticmethod
     @trusted_fn
