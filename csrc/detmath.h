@@ -404,7 +404,10 @@ LDET_HD float ce_row_loss(float m, float picked, float t_minus) {
 // (lightning_det/nn/functional.py).
 // kActExp is not an activation module: it is the exp of the det softmax (lightning_det/nn/attention.py).
 // kActSin / kActCos: sin and cos (rotary position embeddings: lightning_det/nn/elementwise_routes.py).
-enum ActKind { kActGeluErf = 0, kActGeluTanh = 1, kActSilu = 2, kActTanh = 3, kActExp = 4, kActSin = 5, kActCos = 6 };
+enum ActKind {
+  kActGeluErf = 0, kActGeluTanh = 1, kActSilu = 2, kActTanh = 3, kActExp = 4, kActSin = 5, kActCos = 6,
+  kActSigmoid = 7
+};
 
 LDET_HD double act_forward(double x, int kind) {
   if (kind == kActGeluErf) return x * dm::norm_cdf(x);
@@ -423,6 +426,11 @@ LDET_HD double act_forward(double x, int kind) {
   if (kind == kActExp) return dm::exp(x);
   if (kind == kActSin) return dm::sin_or_cos(x, false);
   if (kind == kActCos) return dm::sin_or_cos(x, true);
+  if (kind == kActSigmoid) {
+    double s, sm;
+    dm::sigmoid_pair(x, &s, &sm);
+    return s;
+  }
   return dm::tanh(x);
 }
 
@@ -444,6 +452,11 @@ LDET_HD double act_derivative(double x, int kind) {
   if (kind == kActExp) return dm::exp(x);
   if (kind == kActSin) return dm::sin_or_cos(x, true);
   if (kind == kActCos) return -dm::sin_or_cos(x, false);
+  if (kind == kActSigmoid) {  // s (1 - s), as s * sigmoid(-x): no cancellation
+    double s, sm;
+    dm::sigmoid_pair(x, &s, &sm);
+    return s * sm;
+  }
   return dm::sech2(x);
 }
 

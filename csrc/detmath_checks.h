@@ -6,9 +6,9 @@
 namespace ldet {
 
 inline void check_act_kind(int64_t kind) {
-  TORCH_CHECK(kind >= 0 && kind <= 6,
-              "kind: expected 0 (gelu erf), 1 (gelu tanh), 2 (silu), 3 (tanh), 4 (exp), 5 (sin) or 6 (cos), got ",
-              kind);
+  TORCH_CHECK(kind >= 0 && kind <= 7,
+              "kind: expected 0 (gelu erf), 1 (gelu tanh), 2 (silu), 3 (tanh), 4 (exp), 5 (sin), 6 (cos) or 7 "
+              "(sigmoid), got ", kind);
 }
 
 // act_fp64's arguments: float64 x, and grad (optional) of x's shape and device.

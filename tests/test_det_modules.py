@@ -15,10 +15,13 @@ from lightning_det.nn import (
     DetRMSNorm,
     DetSiLU,
     DetTanh,
+    DetSigmoid,
+    DetQuickGELU,
     StepState,
     det_gelu,
     det_silu,
     det_tanh,
+    det_sigmoid,
     finalize_grad_digits,
     set_grad_digits,
 )
@@ -34,13 +37,14 @@ def _gelu_tanh64(x):
     return x * torch.sigmoid(2 * (2 / torch.pi) ** 0.5 * (x + 0.044715 * x**3))
 
 
-REFS64 = {"gelu": _gelu64, "gelu_tanh": _gelu_tanh64, "silu": F.silu, "tanh": torch.tanh}
+REFS64 = {"gelu": _gelu64, "gelu_tanh": _gelu_tanh64, "silu": F.silu, "tanh": torch.tanh, "sigmoid": torch.sigmoid}
 
 ACTS = {
     "gelu": (lambda x: det_gelu(x), lambda x: F.gelu(x)),
     "gelu_tanh": (lambda x: det_gelu(x, "tanh"), lambda x: F.gelu(x, approximate="tanh")),
     "silu": (det_silu, F.silu),
     "tanh": (det_tanh, torch.tanh),
+    "sigmoid": (det_sigmoid, torch.sigmoid),
 }
 
 
@@ -83,6 +87,8 @@ def test_activation_forward_and_grad_vs_fp64(name, dtype):
     (gr,) = torch.autograd.grad(yr, xr, gy.double())
     if name == "tanh":  # autograd's fp64 1 - y*y cancels for |x| > 10; sech^2 does not
         gr = gy.double() / torch.cosh(x.double()) ** 2
+    if name == "sigmoid":  # autograd's fp64 s (1 - s) cancels for large x; s sigmoid(-x) does not
+        gr = gy.double() * torch.sigmoid(x.double()) * torch.sigmoid(-x.double())
     xd = x.clone().requires_grad_()
     y = det(xd)
     (g,) = torch.autograd.grad(y, xd, gy)
@@ -131,7 +137,8 @@ def test_control_torch_cpu_activations_are_position_dependent():
 
 
 @pytest.mark.parametrize("mod, fn", [(DetGELU(), det_gelu), (DetGELU("tanh"), lambda x: det_gelu(x, "tanh")),
-                                     (DetSiLU(), det_silu), (DetTanh(), det_tanh)])
+                                     (DetSiLU(), det_silu), (DetTanh(), det_tanh), (DetSigmoid(), det_sigmoid),
+                                     (DetQuickGELU(), lambda x: x * det_sigmoid(1.702 * x))])
 def test_activation_modules_call_the_kernels(mod, fn):
     x = gen.normal((5, 33), torch.float32, 7)
     assert_bitwise(mod(x), fn(x))

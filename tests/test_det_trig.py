@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_det.nn import det_function_mode
-from lightning_det.nn.functional import det_cos, det_sin, det_tanh
+from lightning_det.nn.functional import det_cos, det_gelu, det_sigmoid, det_silu, det_sin, det_tanh
 from lightning_det.parallel.audit import OpAudit
 from lightning_det.ops.activation import act_fp64
 
@@ -69,12 +69,17 @@ def test_elementwise_and_gradient_rounded_once(name, det, ref):
     assert torch.equal(xr.grad, act_fp64(x.double(), name, g.double()).float())
 
 
-def test_det_function_mode_routes_sin_cos_and_tanh():
+def test_det_function_mode_routes_sin_cos_tanh_sigmoid_gelu_silu():
     x = torch.randn(4, 9, generator=torch.Generator().manual_seed(4))
     with det_function_mode():
-        got = [torch.sin(x), x.sin(), torch.cos(x), x.cos(), torch.cos(input=x), torch.tanh(x), F.tanh(x), x.tanh()]
-    want = [det_sin(x), det_sin(x), det_cos(x), det_cos(x), det_cos(x)] + [det_tanh(x)] * 3
+        got = [torch.sin(x), x.sin(), torch.cos(x), x.cos(), torch.cos(input=x), torch.tanh(x), F.tanh(x), x.tanh(),
+               torch.sigmoid(x), F.sigmoid(x), x.sigmoid(), F.gelu(x), F.gelu(x, approximate="tanh"), F.silu(x)]
+    want = ([det_sin(x), det_sin(x), det_cos(x), det_cos(x), det_cos(x)] + [det_tanh(x)] * 3 + [det_sigmoid(x)] * 3
+            + [det_gelu(x), det_gelu(x, "tanh"), det_silu(x)])
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with OpAudit() as audit, det_function_mode():
+        F.silu(x.clone(), inplace=True)  # the in-place form stays PyTorch's, and the audit names it
+    assert [op for op, _, _ in audit.violations()] == ["aten.silu_"]
     # the gradient of a routed tanh is detmath's, not PyTorch's tanh_backward (outside the verified set)
     xr = x.clone().requires_grad_()
     with det_function_mode():

@@ -151,6 +151,19 @@ def test_other_rms_math_is_not_matched():
         det_transform(nn.Sequential(ScaledRMSNorm(8)))
 
 
+def test_quick_gelu_relu6_and_sigmoid_are_swapped():
+    from lightning_det.nn import DetHardtanh, DetQuickGELU, DetSigmoid
+
+    x = torch.randn(5, 33, generator=_gen(17)) * 4
+    for m, cls in ((hf_act.QuickGELUActivation(), DetQuickGELU), (nn.ReLU6(), DetHardtanh),
+                   (nn.Hardtanh(-2.0, 3.0), DetHardtanh), (nn.Sigmoid(), DetSigmoid)):
+        want = m(x)
+        det_transform(nn.Sequential(m))
+        assert type(m) is cls
+        torch.testing.assert_close(m(x), want, rtol=1e-6, atol=1e-7)
+        assert_bitwise(m(x[:1]), m(x)[:1], f"{cls.__name__} rows")
+
+
 @pytest.mark.parametrize("make, cls, approximate", [
     (hf_act.SiLUActivation, DetSiLU, None),
     (hf_act.NewGELUActivation, DetGELU, "tanh"),
@@ -179,17 +192,17 @@ def test_every_uncovered_module_is_named_with_its_class():
         def forward(self, x):
             return x / x.norm(dim=-1, keepdim=True) * self.weight
 
-    model = nn.Sequential(nn.Linear(4, 4), hf_act.QuickGELUActivation(), nn.Sigmoid(), nn.Conv3d(1, 1, 1),
+    model = nn.Sequential(nn.Linear(4, 4), hf_act.LaplaceActivation(), nn.Softplus(), nn.Conv3d(1, 1, 1),
                           OwnNorm())
     with pytest.raises(UnsupportedModuleError) as ei:
         det_transform(model)
     msg = str(ei.value)
-    for item in ("1 (QuickGELUActivation)", "2 (Sigmoid)", "3 (Conv3d)", "4 (OwnNorm)"):
+    for item in ("1 (LaplaceActivation)", "2 (Softplus)", "3 (Conv3d)", "4 (OwnNorm)"):
         assert item in msg, msg
     assert "4 module(s)" in msg and "register_det_module" in msg
-    with pytest.warns(UserWarning, match="QuickGELUActivation"):
+    with pytest.warns(UserWarning, match="LaplaceActivation"):
         det_transform(model, strict=False)
-    assert model.ldet_unverified == ["1 (QuickGELUActivation)", "2 (Sigmoid)", "3 (Conv3d)", "4 (OwnNorm)"]
+    assert model.ldet_unverified == ["1 (LaplaceActivation)", "2 (Softplus)", "3 (Conv3d)", "4 (OwnNorm)"]
     assert type(model[0]) is DetLinear
 
 

@@ -5,7 +5,8 @@
 
 TORCH_LIBRARY_FRAGMENT(ldet, m) {
   // y = act(x) elementwise, computed in fp64 by detmath.h and rounded once to x's dtype.
-  // kind: 0 GELU (erf), 1 GELU (tanh approximation), 2 SiLU, 3 tanh, 4 exp (ActKind in detmath.h).
+  // kind: 0 GELU (erf), 1 GELU (tanh approximation), 2 SiLU, 3 tanh, 4 exp, 5 sin, 6 cos, 7 sigmoid
+  // (ActKind in detmath.h).
   m.def("act(Tensor x, int kind) -> Tensor");
   // grad * act'(x), the product formed in fp64 and rounded once to x's dtype.
   m.def("act_backward(Tensor grad, Tensor x, int kind) -> Tensor");

@@ -1,6 +1,6 @@
 """Exact modules (no Lightning import): DetLinear and friends, det_transform, det_function_mode,
 and the step state that carries a training step's gradient digits between the layers."""
-from .activation import DetGELU, DetReLU, DetSiLU, DetTanh
+from .activation import DetGELU, DetHardtanh, DetQuickGELU, DetReLU, DetSigmoid, DetSiLU, DetTanh
 from .batch_norm import DetBatchNorm1d, DetBatchNorm2d
 from .conv import DetConv1d, DetConv2d, det_conv1d, det_conv2d
 from .group_norm import DetGroupNorm
@@ -10,7 +10,8 @@ from .broadcast_grads import BroadcastGradError
 from .conv1d import DetConv1D
 from .dropout import DetDropout, DetDropPath
 from .embedding import DetEmbedding
-from .functional import det_col_sums, det_cos, det_exp, det_gelu, det_relu, det_row_sums, det_silu, det_sin, det_tanh
+from .functional import (det_col_sums, det_cos, det_exp, det_gelu, det_relu, det_row_sums, det_sigmoid, det_silu,
+                         det_sin, det_tanh)
 from .function_mode import det_function_mode
 from .grad_digits import finalize_grad_digits, set_grad_digits
 from .linear import DetLinear
@@ -29,6 +30,9 @@ __all__ = [
     "DetLayerNorm",
     "DetRMSNorm",
     "DetGELU",
+    "DetHardtanh",
+    "DetQuickGELU",
+    "DetSigmoid",
     "DetSiLU",
     "DetTanh",
     "DetReLU",
@@ -61,6 +65,7 @@ __all__ = [
     "det_silu",
     "det_sin",
     "det_tanh",
+    "det_sigmoid",
     "det_relu",
     "det_row_sums",
     "det_col_sums",

@@ -3,7 +3,8 @@
 Real models hold lookalike classes: Hugging Face's ``Conv1D`` (a transposed Linear),
 ``FalconLinear`` (``x @ W.T + b``), ``LlamaRMSNorm`` and its copies (``Qwen2RMSNorm``,
 ``MistralRMSNorm``, ...), ``T5LayerNorm``, ``GemmaRMSNorm`` (``xhat * (1 + weight)``), HF's
-activation modules and drop-path modules (``ConvNextDropPath``, ``SwinDropPath``, ...). A class is
+activation modules (``QuickGELUActivation`` included) and drop-path modules (``ConvNextDropPath``,
+``SwinDropPath``, ...). A class is
 never matched by its name. The rule, per kind:
 
 1. **Structure**: exactly the expected direct parameters (names and ranks), no buffers, no
@@ -20,9 +21,10 @@ for RMSNorms: the output has the input's dtype, where HF multiplies the fp32 wei
 half-precision input and returns fp32; a model held in one dtype sees no difference.
 
 **Wrappers** of a covered class whose recognised ``forward`` only rearranges its input or output
-around ``super().forward``: OPT's ``OPTLearnedPositionalEmbedding`` (position ids from the
-attention mask, integer arithmetic), Gemma's ``GemmaTextScaledWordEmbedding`` (the output times a
-constant buffer), ConvNext's ``ConvNextLayerNorm`` (permutes for channels-first). The Det class
+around ``super().forward``: OPT's ``OPTLearnedPositionalEmbedding`` and BART's
+``BartLearnedPositionalEmbedding`` (position ids, integer arithmetic), Gemma's
+``GemmaTextScaledWordEmbedding`` and BART's ``BartScaledWordEmbedding`` (the output times a
+constant), ConvNext's ``ConvNextLayerNorm`` (permutes for channels-first). The Det class
 is put under the library's class (``class DetX(X, DetBase)``), so ``super().forward`` runs the
 Det module while the library's own code around it runs unchanged, under the op audit like any
 other code.
@@ -37,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .activation import DetGELU, DetSiLU
+from .activation import DetGELU, DetQuickGELU, DetSiLU
 from .conv1d import conv1d_to_det
 from .dropout import DetDropPath
 from .embedding import DetEmbedding, _check_options
@@ -82,6 +84,9 @@ def _refs() -> dict:
         "opt_positions": "transformers.models.opt.modeling_opt:OPTLearnedPositionalEmbedding.forward",
         "gemma_embedding": "transformers.models.gemma.modeling_gemma:GemmaTextScaledWordEmbedding.forward",
         "convnext_layer_norm": "transformers.models.convnext.modeling_convnext:ConvNextLayerNorm.forward",
+        "bart_positions": "transformers.models.bart.modeling_bart:BartLearnedPositionalEmbedding.forward",
+        "bart_embedding": "transformers.models.bart.modeling_bart:BartScaledWordEmbedding.forward",
+        "quick_gelu": "transformers.activations:QuickGELUActivation.forward",
     }
     found = {name: _attr(path) for name, path in paths.items()}
     return {name: fn for name, fn in found.items() if fn is not None}
@@ -144,6 +149,11 @@ def _to_linear(module: nn.Module) -> nn.Module:
     return module
 
 
+def _to_quick_gelu(module: nn.Module) -> nn.Module:
+    module.__class__ = DetQuickGELU
+    return module
+
+
 def _to_drop_path(module: nn.Module) -> nn.Module:
     module.drop_prob = float(module.drop_prob)
     module.__class__ = DetDropPath
@@ -168,6 +178,7 @@ def _wrapper_factory(base: type, det: type) -> Callable[[nn.Module], nn.Module]:
 
 # the wrappers (module docstring): reference forward -> (covered base, its Det class)
 _WRAPPERS = {"opt_positions": (nn.Embedding, DetEmbedding), "gemma_embedding": (nn.Embedding, DetEmbedding),
+             "bart_positions": (nn.Embedding, DetEmbedding), "bart_embedding": (nn.Embedding, DetEmbedding),
              "convnext_layer_norm": (nn.LayerNorm, DetLayerNorm)}
 
 
@@ -227,6 +238,8 @@ def match_lookalike(module: nn.Module) -> Optional[Callable[[nn.Module], nn.Modu
         return _to_drop_path if _number(getattr(module, "drop_prob", None)) else None
     if _is(fwd, "silu"):
         return _to_silu
+    if _is(fwd, "quick_gelu"):
+        return _to_quick_gelu
     if _is(fwd, "new_gelu"):
         return _to_gelu("tanh")
     if _is(fwd, "act_attr"):

@@ -20,9 +20,10 @@ Which modules are swapped, first rule that applies:
 4. a library lookalike recognised by structure and by its forward's code
    (:mod:`lightning_det.nn.lookalikes`): HF ``Conv1D``, ``FalconLinear``, Llama/Qwen2/T5-style
    and Gemma-style RMSNorms, HF ``SiLUActivation``, ``NewGELUActivation``, ``GELUActivation``,
-   ``GELUTanh``, HF drop paths (-> :class:`~lightning_det.nn.DetDropPath`), and the library
-   wrappers whose code only rearranges around ``super().forward`` (OPT's positions, Gemma's
-   scaled embedding, ConvNext's LayerNorm), which get the Det class under their own.
+   ``GELUTanh``, ``QuickGELUActivation``, HF drop paths (-> :class:`~lightning_det.nn.DetDropPath`),
+   and the library wrappers whose code only rearranges around ``super().forward`` (OPT's and
+   BART's positions, Gemma's and BART's scaled embeddings, ConvNext's LayerNorm), which get the
+   Det class under their own.
 
 Everything else is reported (strict: raised) when it holds parameters and is a layer: a
 ``torch.nn`` layer without a Det version (Conv3d, Bilinear, ...), a subclass of a covered class
@@ -47,7 +48,7 @@ from typing import Callable, Optional
 
 from torch import nn
 
-from .activation import DetGELU, DetReLU, DetSiLU, DetTanh
+from .activation import DetGELU, DetHardtanh, DetQuickGELU, DetReLU, DetSiLU, DetSigmoid, DetTanh
 from .batch_norm import DetBatchNorm1d, DetBatchNorm2d
 from .conv import DetConv1d, DetConv2d
 from .conv1d import DetConv1D
@@ -78,7 +79,9 @@ _SWAPS: dict[type, type] = {
     nn.GELU: DetGELU,
     nn.SiLU: DetSiLU,
     nn.Tanh: DetTanh,
+    nn.Sigmoid: DetSigmoid,
     nn.ReLU: DetReLU,
+    nn.Hardtanh: DetHardtanh,
     nn.Conv1d: DetConv1d,
     nn.Conv2d: DetConv2d,
     nn.BatchNorm1d: DetBatchNorm1d,
@@ -90,7 +93,7 @@ _SWAPS: dict[type, type] = {
     nn.Dropout: DetDropout,
 }
 DET_MODULES: tuple[type, ...] = tuple(_SWAPS.values()) + (
-    DetConv1D, DetDropPath, DetMultiheadAttention, DetTransformerEncoderLayer, DetTransformerEncoder,
+    DetConv1D, DetDropPath, DetQuickGELU, DetMultiheadAttention, DetTransformerEncoderLayer, DetTransformerEncoder,
     DetTransformerDecoderLayer)
 
 # user class -> factory (rule 1)

@@ -17,7 +17,7 @@ from .longacc import _check_float
 __all__ = ["ACT_KINDS", "act", "act_backward", "act_fp64"]
 
 #: Activation names and the kernel's kind numbers (csrc/detmath.h ActKind).
-ACT_KINDS = {"gelu_erf": 0, "gelu_tanh": 1, "silu": 2, "tanh": 3, "exp": 4, "sin": 5, "cos": 6}
+ACT_KINDS = {"gelu_erf": 0, "gelu_tanh": 1, "silu": 2, "tanh": 3, "exp": 4, "sin": 5, "cos": 6, "sigmoid": 7}
 
 
 def _kind(kind: str) -> int:

@@ -47,7 +47,7 @@ empty empty_like empty_strided zeros ones full arange new_empty new_zeros new_on
 new_empty_strided scalar_tensor lift_fresh _local_scalar_dense as_strided view_as repeat
 one_hot scatter_ index_put_ masked_select triu tril lift_fresh_copy _reshape_alias set_ resize_
 _unsafe_index sort slice_backward select_backward constant_pad_nd""".split()
-_SELECTION = "aminmax amax amin max min argmax argmin".split()
+_SELECTION = "aminmax amax amin max min argmax argmin hardtanh hardtanh_ hardtanh_backward".split()
 
 #: The two levels of the contract an op is verified at (DESIGN.md section 1).
 ONE_DEVICE = "world size and batch invariant on one device"
@@ -67,7 +67,7 @@ VERIFIED_OPS: Dict[str, VerifiedOp] = {
                                "at odd widths (tests/test_verified_ops.py)", ONE_DEVICE)
        for n in _TESTED_ELEMENTWISE},
     **{f"aten.{n}": VerifiedOp("data movement or creation, no arithmetic", ONE_DEVICE) for n in _DATA_MOVEMENT},
-    **{f"aten.{n}": VerifiedOp("selection (max/min): exact and order-free", ONE_DEVICE) for n in _SELECTION},
+    **{f"aten.{n}": VerifiedOp("selection (max/min, a clamp): exact and order-free", ONE_DEVICE) for n in _SELECTION},
 }
 
 #: Ops whose integer form is still not a function of the inputs' values: random draws, and sorts
