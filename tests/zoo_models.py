@@ -142,6 +142,11 @@ def _cls_loss(model, batch):
     return model(input_ids=tokens, labels=labels).loss
 
 
+def _embeds_loss(model, batch):
+    images, labels = batch
+    return F.cross_entropy(model(pixel_values=images).image_embeds, labels)
+
+
 _TINY_LM = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                 max_position_embeddings=16)
 
@@ -165,6 +170,14 @@ MORE = {
     "opt": ZooEntry(_hf("OPTConfig", "OPTForCausalLM", vocab_size=VOCAB, hidden_size=16, ffn_dim=32,
                         num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=16, word_embed_proj_dim=16,
                         dropout=0.0), "tokens", _lm_loss),
+    # encoder-decoder with learned positions offset by 2 and scaled word embeddings (dropouts at 0:
+    # its layers drop out flattened views too)
+    "bart": ZooEntry(_hf("BartConfig", "BartForConditionalGeneration", vocab_size=VOCAB, d_model=16, encoder_layers=1,
+                         decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                         decoder_ffn_dim=32, max_position_embeddings=16, dropout=0.0), "tokens", _lm_loss),
+    # one layer's parameters shared by every layer, factorized embeddings
+    "albert": ZooEntry(_hf("AlbertConfig", "AlbertForSequenceClassification", embedding_size=8, num_labels=CLASSES,
+                           **_TINY_LM), "tokens_cls", _cls_loss),
     # FalconLinear projections, parallel attention and MLP
     "falcon": ZooEntry(_hf("FalconConfig", "FalconForCausalLM", vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2,
                            num_attention_heads=2, max_position_embeddings=16), "tokens", _lm_loss),
@@ -172,6 +185,13 @@ MORE = {
     "convnext": ZooEntry(_hf("ConvNextConfig", "ConvNextForImageClassification", num_channels=3, patch_size=2,
                              num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], image_size=IMAGE, num_labels=CLASSES,
                              drop_path_rate=0.2), "images", _vit_loss),
+    # inverted residuals: depthwise convolutions, BatchNorm, ReLU6
+    "mobilenet_v2": ZooEntry(_hf("MobileNetV2Config", "MobileNetV2ForImageClassification", num_channels=3,
+                                 image_size=IMAGE, depth_multiplier=0.25, num_labels=CLASSES), "images", _vit_loss),
+    # CLIP's vision tower: QuickGELU, a class embedding, pre- and post-LayerNorms
+    "clip_vision": ZooEntry(_hf("CLIPVisionConfig", "CLIPVisionModelWithProjection", image_size=IMAGE, patch_size=4,
+                                hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                projection_dim=CLASSES), "images", _embeds_loss),
     # shifted-window attention with float masks, drop path, an AdaptiveAvgPool1d pooler
     "swin": ZooEntry(_hf("SwinConfig", "SwinForImageClassification", image_size=IMAGE, patch_size=2, num_channels=3,
                          embed_dim=8, depths=[1, 1], num_heads=[2, 2], window_size=2, num_labels=CLASSES,
