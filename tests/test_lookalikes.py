@@ -323,6 +323,17 @@ def test_library_wrappers_run_the_det_module_under_their_own_code():
         torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
         first = tuple(a[:1] for a in args)
         assert_bitwise(m(*first), got[:1].detach(), f"{cls.__name__}: one sample alone")
+    # a transformed model still pickles whole (torch.save(model)) and deep-copies
+    import copy
+    import io
+
+    model = det_transform(nn.Sequential(OPTLearnedPositionalEmbedding(16, 8)))
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for again in (torch.load(buf, weights_only=False), copy.deepcopy(model)):
+        assert type(again[0]) is type(model[0])
+        assert_bitwise(again(mask), model(mask).detach(), "pickled / copied")
     # a changed copy of a wrapper's forward is not recognised
     class OtherPositions(OPTLearnedPositionalEmbedding):
         def forward(self, attention_mask, cache_length=0, position_ids=None):

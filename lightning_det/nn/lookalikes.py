@@ -162,8 +162,20 @@ def _to_drop_path(module: nn.Module) -> nn.Module:
 
 @functools.lru_cache(maxsize=None)
 def _det_under(cls: type, det: type) -> type:
-    """``class DetX(X, det)``: X's own code first, whose ``super().forward`` is then det's."""
-    return type(f"Det{cls.__name__}", (cls, det), {"__module__": cls.__module__, "__doc__": cls.__doc__})
+    """``class DetX(X, det)``: X's own code first, whose ``super().forward`` is then det's. An
+    instance pickles as the rebuild of that pair (``torch.save(model)`` of a transformed model)."""
+
+    def __reduce_ex__(self, protocol):
+        return _rebuild_under, (cls, det), self.__getstate__()
+
+    return type(f"Det{cls.__name__}", (cls, det),
+                {"__module__": __name__, "__doc__": cls.__doc__, "__reduce_ex__": __reduce_ex__})
+
+
+def _rebuild_under(cls: type, det: type) -> nn.Module:
+    """An empty instance of ``_det_under(cls, det)`` for unpickling (its state comes next)."""
+    wrapped = _det_under(cls, det)
+    return wrapped.__new__(wrapped)
 
 
 def _wrapper_factory(base: type, det: type) -> Callable[[nn.Module], nn.Module]:
