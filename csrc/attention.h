@@ -18,7 +18,7 @@
 //
 //   s_ij  = (chain_c q_ic k_jc + 0) * scale   [+ mask_ij when the mask is additive (float)]
 //   m_i   = max over allowed j of s_ij (NaN ignored); 0 when that is -inf or no j is allowed
-//   e_ij  = fp32(dm::exp(s_ij - m_i))           detmath exp (csrc/detmath.h), the det softmax's
+//   e_ij  = exp32(s_ij - m_i)                   the fp32 exp below (attn::exp32), one fixed sequence
 //   l_i   = (((+0 + e_i0) + e_i1) + ...)        over allowed j ascending
 //   r_i   = 1 / l_i  (0 when l_i == 0: a row with nothing to attend gives 0, as PyTorch's SDPA)
 //   k_ij  = the keyed dropout multiplier (csrc/dropout.h; 1 without dropout): 1/(1-p) or 0
@@ -38,7 +38,7 @@
 // A key that is not allowed adds no term to any chain (it is skipped, not multiplied by zero),
 // so a non-finite value there cannot reach an output. Every listed step is one IEEE operation
 // (each device rounds it identically: builds pass -ffp-contract=off / -fmad=false) except exp,
-// which is detmath's fp64 sequence. Result: the same bytes on every device, for any batch,
+// which is the fp32 sequence of attn::exp32. Result: the same bytes on every device, for any batch,
 // head count and tiling; tests/test_fused_attention.py holds both devices to a plain-PyTorch
 // evaluation of this definition (lightning_det/reference/attention_ref.py).
 //
@@ -101,7 +101,42 @@ LDET_HD float chain_end(float acc) { return acc + 0.0f; }
 LDET_HD float score(float chain, float scale) { return chain_end(chain) * scale; }
 LDET_HD float row_max_step(float m, float s) { return s > m ? s : m; }  // NaN never wins
 LDET_HD float row_max_final(float m) { return m == -INFINITY ? 0.0f : m; }
-LDET_HD float weight(float s, float m) { return static_cast<float>(dm::exp(static_cast<double>(s - m))); }
+LDET_HD float rint32(float x) {  // round to nearest, ties to even (the default rounding mode)
+#if defined(__CUDA_ARCH__)
+  return rintf(x);
+#else
+  return std::rint(x);
+#endif
+}
+
+// exp(x) in fp32 operations: x = k ln2 + r (Cody-Waite, ln2 in two parts: k * kLn2Hi is exact
+// for |k| < 2^9), |r| <= ~ln2/2, then the Taylor polynomial of degree 7 in Horner form with fma
+// (truncation below 2^-27 of the result, so within about an ulp of exp), times 2^k in two exact
+// steps. Below -87.33 (results under the smallest normal fp32) it is 0; above 88.72, +inf; NaN
+// stays NaN. Fixed and fp32 throughout: the attention weights cost a dozen fp32 operations each,
+// where the fp64 detmath exp cost some thirty fp64 ones, on a GPU's fp64 units at half the rate.
+constexpr float kExpLn2Hi = 0x1.62e400p-1f;   // low 12 bits of the significand zero
+constexpr float kExpLn2Lo = 0x1.7f7d1cp-20f;
+constexpr float kExpLog2e = 0x1.715476p+0f;
+LDET_HD float exp32(float x) {
+  if (x != x) return x;
+  if (x > 88.72f) return float_of(0x7f800000u);
+  if (x < -87.33f) return 0.0f;
+  const float k = rint32(x * kExpLog2e);
+  const float r = fma32(k, -kExpLn2Lo, fma32(k, -kExpLn2Hi, x));
+  constexpr float c[8] = {0x1p+0f, 0x1p+0f, 0x1p-1f, 0x1.555556p-3f, 0x1.555556p-5f, 0x1.111112p-7f,
+                          0x1.6c16c2p-10f, 0x1.a01a02p-13f};  // 1/n!, each rounded to fp32
+  float p = c[7];
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int n = 6; n >= 0; --n) p = fma32(p, r, c[n]);
+  const int ki = static_cast<int>(k);  // in [-126, 128]
+  const int k1 = ki / 2;
+  return (p * float_of(uint32_t(k1 + 127) << 23)) * float_of(uint32_t(ki - k1 + 127) << 23);
+}
+
+LDET_HD float weight(float s, float m) { return exp32(s - m); }
 LDET_HD float reciprocal(float l) { return l == 0.0f ? 0.0f : 1.0f / l; }
 LDET_HD float grad_score(float p, float dp, float d, float scale) { return (p * (dp - d)) * scale; }
 

@@ -296,7 +296,7 @@ def test_audit_names_every_op_with_its_count_and_module_class_on_the_new_paths()
             return x @ self.weight
 
     torch.manual_seed(11)
-    layer = nn.TransformerEncoderLayer(E, H, 20, dropout=0.0, activation=torch.sigmoid, batch_first=True)
+    layer = nn.TransformerEncoderLayer(E, H, 20, dropout=0.0, activation=F.softplus, batch_first=True)
     model = nn.Sequential(det_transform(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)), ParamProduct())
     x = torch.randn(N, L, E, generator=_g(91))
     with OpAudit(model, outside="training_step") as audit:
@@ -306,7 +306,7 @@ def test_audit_names_every_op_with_its_count_and_module_class_on_the_new_paths()
         audit.check(strict=True)
     msg = str(err.value)
     for layer_name in ("'0.layers.0' (DetTransformerEncoderLayer)", "'0.layers.1' (DetTransformerEncoderLayer)"):
-        assert f"aten.sigmoid x1 in {layer_name}" in msg, msg
+        assert f"aten.softplus x1 in {layer_name}" in msg, msg
     assert "in '1' (ParamProduct)" in msg and "aten.sum x1 in training_step" in msg, msg
     assert [n for _, _, n in err.value.violations] == [int(line.split(" x")[1].split()[0])
                                                        for line in msg.splitlines()[1:-1]], msg

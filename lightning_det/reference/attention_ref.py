@@ -3,9 +3,8 @@
 
 Independent of the kernels' code: every chain is a Python loop over its index in ascending
 order, one eager operation per step; the fp32 fused multiply-add, which PyTorch does not
-offer, is formed from fp64 operations (:func:`fma32`). Only exp is the project's own
-(``det_exp``, held to its eager reference by tests/test_detmath_reference.py). Slow by design:
-use it on small shapes.
+offer, is formed from fp64 operations (:func:`fma32`), and the fp32 exp (:func:`exp32`) is the
+kernels' sequence written out in eager ops. Slow by design: use it on small shapes.
 """
 from __future__ import annotations
 
@@ -13,9 +12,7 @@ from typing import Optional
 
 import torch
 
-from ..nn.functional import det_exp
-
-__all__ = ["fma32", "attention_forward_ref", "attention_backward_ref", "attention_weights_ref"]
+__all__ = ["fma32", "exp32", "attention_forward_ref", "attention_backward_ref", "attention_weights_ref"]
 
 
 def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -35,6 +32,34 @@ def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     fix = (err != 0) & ((bits & 1) == 0)
     step = torch.where((err > 0) == (s > 0), 1, -1)  # int64 bits move the magnitude: sign-magnitude
     return torch.where(fix, bits + step, bits).view(torch.float64).float()
+
+
+_LN2_HI, _LN2_LO, _LOG2E = float.fromhex("0x1.62e400p-1"), float.fromhex("0x1.7f7d1cp-20"), float.fromhex("0x1.715476p+0")
+_INV_FACT = [1.0, 1.0, 0.5, float.fromhex("0x1.555556p-3"), float.fromhex("0x1.555556p-5"),
+             float.fromhex("0x1.111112p-7"), float.fromhex("0x1.6c16c2p-10"), float.fromhex("0x1.a01a02p-13")]
+
+
+def _pow2(k: torch.Tensor) -> torch.Tensor:
+    """2^k exactly as fp32, k an integer-valued tensor in [-126, 127]."""
+    return ((k.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def exp32(x: torch.Tensor) -> torch.Tensor:
+    """csrc/attention.h's ``attn::exp32`` of fp32 ``x``: Cody-Waite with ln2 in two parts, the
+    degree-7 Taylor polynomial in Horner form with fma, 2^k in two exact steps; 0 below -87.33,
+    +inf above 88.72, NaN kept."""
+    x = x.float()
+    k = torch.round(x * _f32(_LOG2E))  # ties to even, as rint
+    r = fma32(k, _f32(-_LN2_LO).expand_as(k), fma32(k, _f32(-_LN2_HI).expand_as(k), x))
+    p = torch.full_like(x, _INV_FACT[7])
+    for n in range(6, -1, -1):
+        p = fma32(p, r, torch.full_like(x, _INV_FACT[n]))
+    k = torch.where((x >= -87.33) & (x <= 88.72), k, torch.zeros_like(k))  # keep the shifts in range
+    k1 = torch.trunc(k / 2)
+    y = (p * _pow2(k1)) * _pow2(k - k1)
+    y = torch.where(x < -87.33, _f32(0.0), y)
+    y = torch.where(x > 88.72, _f32(float("inf")), y)
+    return torch.where(x.isnan(), x, y)
 
 
 def _f32(x) -> torch.Tensor:
@@ -78,7 +103,7 @@ def _forward_parts(q, k, mask, scale, causal):
     ok = _allowed(b, h, lq, lk, mask, causal)
     m = torch.where(ok & ~s.isnan(), s, float("-inf")).amax(-1, keepdim=True)
     m = torch.where(m == float("-inf"), _f32(0.0), m)
-    e = torch.where(ok, det_exp(s - m), _f32(0.0))
+    e = torch.where(ok, exp32(s - m), _f32(0.0))
     l = torch.zeros(b, h, lq, 1)
     for j in range(lk):
         l = torch.where(ok[..., j:j + 1], l + e[..., j:j + 1], l)
