@@ -23,6 +23,22 @@ from .step_state import StepState, StepStateMode
 __all__ = ["det_function_mode"]
 
 
+def _route_table() -> dict:
+    """func -> route(mode, func, args, kwargs): the det version's result, or NOT_ROUTED (then
+    PyTorch's own runs). One lookup per call: this mode sees every torch call of a step."""
+    table = {}
+    for funcs, route in ((MATMUL_FUNCS, lambda mode, f, a, k: matmul_route(f, a, k, mode._plans())),
+                         (SOFTMAX_FUNCS, lambda mode, f, a, k: softmax_route(f, a, k)),
+                         (DETMATH_FUNCS, lambda mode, f, a, k: detmath_route(f, a, k)),
+                         (REDUCTION_FUNCS, lambda mode, f, a, k: reduction_route(f, a, k)),
+                         (CUMSUM_FUNCS, lambda mode, f, a, k: cumsum_route(f, a, k))):
+        table.update(dict.fromkeys(funcs, route))
+    return table
+
+
+_ROUTE_OF = _route_table()
+
+
 class _DetFunctionMode(StepStateMode):
     # a StepStateMode: set aside inside trusted regions (lightning_det.ops.trust), the det ops'
     # internals call nothing this mode redirects
@@ -44,24 +60,9 @@ class _DetFunctionMode(StepStateMode):
             return functional_dropout(func, args, kwargs, self.ldet_step_state, self.strict)
         if func is F.cross_entropy:
             return self._cross_entropy(func, args, kwargs)
-        if func in MATMUL_FUNCS:
-            out = matmul_route(func, args, kwargs, self._plans())
-            if out is not NOT_ROUTED:
-                return out
-        elif func in SOFTMAX_FUNCS:
-            out = softmax_route(func, args, kwargs)
-            if out is not NOT_ROUTED:
-                return out
-        elif func in DETMATH_FUNCS:
-            out = detmath_route(func, args, kwargs)
-            if out is not NOT_ROUTED:
-                return out
-        elif func in REDUCTION_FUNCS:
-            out = reduction_route(func, args, kwargs)
-            if out is not NOT_ROUTED:
-                return out
-        elif func in CUMSUM_FUNCS:
-            out = cumsum_route(func, args, kwargs)
+        route = _ROUTE_OF.get(func)
+        if route is not None:
+            out = route(self, func, args, kwargs)
             if out is not NOT_ROUTED:
                 return out
         if func in BROADCAST_FUNCS and self.ldet_step_state is not None:
