@@ -35,6 +35,13 @@ def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
         raise AssertionError(f"{what}: {n} of {a.numel()} elements differ\n" + "\n".join(rows))
 
 
+def assert_bitwise_nans(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    """NaN at the same places, every other element bit for bit (a NaN's payload is not compared)."""
+    na, nb = a.isnan(), b.isnan()
+    assert torch.equal(na.cpu(), nb.cpu()), f"{what}: NaN at {na.nonzero().tolist()} against {nb.nonzero().tolist()}"
+    assert_bitwise(a[~na], b[~nb], what)
+
+
 
 SLICE_OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

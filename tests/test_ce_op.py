@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_bitwise, cuda
+from conftest import assert_bitwise, assert_bitwise_nans, cuda
 from lightning_det import _build
 from lightning_det.reference.ce_ref import ce_backward_ref, ce_forward_ref
 
@@ -37,23 +37,17 @@ def _case(n: int, c: int, dtype, seed: int = 0, specials: bool = False):
     return x.to(dtype), target, valid, grad
 
 
-def _same_nans(a, b, what):
-    na, nb = a.isnan(), b.isnan()
-    assert torch.equal(na, nb), f"{what}: NaN at {na.nonzero().tolist()} against {nb.nonzero().tolist()}"
-    assert_bitwise(a[~na], b[~nb], what)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("c", [1, 5, 33, 123])
 def test_forward_and_backward_match_reference(dtype, c):
     x, t, v, grad = _case(9, c, dtype, seed=c, specials=True)
     loss, e, s = _ops().ce_forward(x, t, v)
     rloss, re, rs = ce_forward_ref(x, t, v)
-    _same_nans(loss, rloss, "loss")
-    _same_nans(e, re, "e")
-    _same_nans(s, rs, "S")
+    assert_bitwise_nans(loss, rloss, "loss")
+    assert_bitwise_nans(e, re, "e")
+    assert_bitwise_nans(s, rs, "S")
     gx = _ops().ce_backward(re, rs, t, v, grad, dtype)
-    _same_nans(gx, ce_backward_ref(re, rs, t, v, grad, dtype), "gx")
+    assert_bitwise_nans(gx, ce_backward_ref(re, rs, t, v, grad, dtype), "gx")
     assert loss[v.logical_not()].eq(0).all() and not torch.signbit(loss[v.logical_not()]).any()
 
 
@@ -112,7 +106,7 @@ def test_cuda_matches_cpu(dtype, shape):
     cpu = _ops().ce_forward(x, t, v)
     dev = _ops().ce_forward(x.cuda(), t.cuda(), v.cuda())
     for a, b, what in zip(cpu, dev, ("loss", "e", "S")):
-        _same_nans(a, b.cpu(), f"cuda {what}")
+        assert_bitwise_nans(a, b.cpu(), f"cuda {what}")
     gx = _ops().ce_backward(cpu[1], cpu[2], t, v, grad, dtype)
     gd = _ops().ce_backward(cpu[1].cuda(), cpu[2].cuda(), t.cuda(), v.cuda(), grad.cuda(), dtype)
-    _same_nans(gx, gd.cpu(), "cuda gx")
+    assert_bitwise_nans(gx, gd.cpu(), "cuda gx")
