@@ -98,7 +98,11 @@ def run_spec(name: str, k: str, log, stamp: dict) -> dict:
 
 
 def write(path: Path, head: dict, rows: list) -> None:
-    """The header indented, then each row on one line."""
+    """The header indented, then each row on one line, by file. Rows kept from earlier runs keep
+    their own commits; the header names one commit only when every row ran at it."""
+    rows = sorted(rows, key=lambda r: (r["file"], r["filter"]))
+    commits = {r["commit"] for r in rows}
+    head = {**head, "commit": commits.pop() if len(commits) == 1 else "each row names the commit it ran at"}
     text = json.dumps({**head, "rows": []}, indent=2)
     lines = ",\n".join("    " + json.dumps(r) for r in rows)
     path.parent.mkdir(parents=True, exist_ok=True)
