@@ -53,7 +53,7 @@ VERIFIED_MODULES: dict[str, dict] = {
              "also_matches": ["HF SiLUActivation"]},
     "Tanh": {"replacement": "DetTanh", "invariances": list(_COMMON), "verified_on": ["cpu", "cuda (H200)"]},
     "ReLU": {"replacement": "DetReLU", "invariances": list(_COMMON), "verified_on": ["cpu", "cuda (H200)"]},
-    "Sigmoid": {"replacement": "DetSigmoid", "invariances": list(_COMMON), "verified_on": ["cpu"]},
+    "Sigmoid": {"replacement": "DetSigmoid", "invariances": list(_COMMON), "verified_on": ["cpu", "cuda (H200)"]},
     "Hardtanh": {"replacement": "DetHardtanh", "invariances": list(_COMMON), "verified_on": ["cpu"],
                  "also_matches": ["nn.ReLU6 (its subclass)"]},
     "transformers.activations.QuickGELUActivation": {"replacement": "DetQuickGELU", "invariances": list(_COMMON),
@@ -115,9 +115,8 @@ VERIFIED_FUNCTIONS: dict[str, dict] = {
     "torch.nn.functional.scaled_dot_product_attention": {
         "replacement": "det_scaled_dot_product_attention (fused kernels, csrc/attention.h)",
         "invariances": ["run-to-run", "batch (sequences)", "heads", "grouped-query heads (enable_gqa)",
-                        "world size (det_ddp)", "the CUDA kernels' bytes under a CPU emulation of CUDA "
-                        "(tests/test_attention_cuda_emulated.py; not yet run on a GPU)"],
-        "verified_on": ["cpu"],
+                        "world size (det_ddp)", "device"],
+        "verified_on": ["cpu", "cuda (H200)"],
     },
     "torch.matmul": {
         "replacement": "det_matmul (also @, torch.bmm, torch.mm; two activations, not a Parameter)",
@@ -136,8 +135,8 @@ VERIFIED_FUNCTIONS: dict[str, dict] = {
     },
     "torch.sum / torch.mean / torch.cumsum over dimensions that leave dimension 0": {
         "replacement": "det_sum / det_mean / det_cumsum (also the Tensor methods; lightning_det.nn.reductions)",
-        "invariances": ["run-to-run", "batch (row count)", "exact sum (each prefix) rounded once"],
-        "verified_on": ["cpu"],
+        "invariances": ["run-to-run", "batch (row count)", "exact sum (each prefix) rounded once", "device"],
+        "verified_on": ["cpu", "cuda (H200)"],
     },
     "torch.nn.functional.dropout": {
         "replacement": "keyed dropout (lightning_det.nn.dropout; also attention's dropout_p > 0)",
