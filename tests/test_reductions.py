@@ -5,32 +5,12 @@ from fractions import Fraction
 import pytest
 import torch
 from conftest import assert_bitwise, cuda
+from helpers.exact_ref import exact_sum as _exact_sum, gen as _g, round32 as _round32, wide as _wide
 
 from lightning_det.nn import det_function_mode
 from lightning_det.nn.functional import div_by_count
 from lightning_det.nn.reductions import det_cumsum, det_mean, det_sum
 from lightning_det.parallel import OpAudit
-
-
-def _g(seed):
-    return torch.Generator().manual_seed(seed)
-
-
-def _wide(shape, seed):
-    """Values whose exponents spread over 60 binades: a float sum in any order rounds."""
-    g = _g(seed)
-    return torch.randn(shape, generator=g) * torch.exp2(torch.randint(-30, 30, shape, generator=g).float())
-
-
-def _exact_sum(values) -> Fraction:
-    return sum((Fraction(float(v)) for v in values), Fraction(0))
-
-
-def _round32(fr: Fraction) -> float:
-    # the float32 nearest fr (ties to even), through the neighbours of a fp64 estimate
-    est = torch.tensor(float(fr), dtype=torch.float32)
-    cands = [est, torch.nextafter(est, torch.tensor(float("inf"))), torch.nextafter(est, torch.tensor(float("-inf")))]
-    return min(cands, key=lambda c: (abs(Fraction(float(c)) - fr), int(c.view(torch.int32)) & 1)).item()
 
 
 def test_sum_and_mean_are_the_exact_value_rounded_once():
