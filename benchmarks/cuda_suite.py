@@ -33,6 +33,7 @@ sys.path.insert(0, str(HERE))
 # else the whole file. tests/test_cuda_suite.py checks that no such file is missing.
 SPECS = [
     ("test_adamw_sr", "cuda"),
+    ("test_attention_mask_grad", "cuda"),
     ("test_broadcast_grads", "cuda"),
     ("test_ce_op", "cuda"),
     ("test_combine_rounding", ""),
@@ -53,6 +54,7 @@ SPECS = [
     ("test_gelu_fast", ""),
     ("test_gemm_plan", "cuda"),
     ("test_gpt_char", "cuda"),
+    ("test_indexing", "cuda"),
     ("test_int_slices", "cuda"),
     ("test_keyed_dropout", "cuda"),
     ("test_norm_op", "cuda"),

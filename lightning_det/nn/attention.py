@@ -26,9 +26,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..ops.attention import AttentionDropout, attention_backward, attention_forward
-from ..ops.dropout import DropoutKey
+from ..ops import det_finalize
+from ..ops.attention import AttentionDropout, attention_backward, attention_forward, attention_probs
+from ..ops.dropout import DropoutKey, dropout_multiplier
+from ..ops.longacc import det_bmm
+from ..ops.sums import det_row_sums
 from ..ops.trust import trusted_fn
+from .broadcast_grads import _ExactExpand
 from .linear import DetLinear
 
 __all__ = ["det_scaled_dot_product_attention", "DetMultiheadSelfAttention"]
@@ -55,8 +59,30 @@ class _FusedSDPA(torch.autograd.Function):
         q, k, v, o, stats, mask = ctx.saved_tensors
         dq, dk, dv = attention_backward(d_out, q, k, v, o, stats, mask, ctx.scale, ctx.causal, ctx.dropout)
         need = ctx.needs_input_grad
+        dmask = _mask_grad(d_out, q, k, v, stats, mask, ctx.scale, ctx.causal, ctx.dropout) if need[3] else None
         return (dq.to(q.dtype) if need[0] else None, dk.to(k.dtype) if need[1] else None,
-                dv.to(v.dtype) if need[2] else None, None, None, None, None)
+                dv.to(v.dtype) if need[2] else None, dmask, None, None, None)
+
+
+def _mask_grad(d_out, q, k, v, stats, mask, scale, causal, dropout) -> torch.Tensor:
+    """The gradient of a float mask (B, H, Lq, Lk), which is added to the scores:
+
+        g_ij = exact(dO_i . v_j) rounded once, times the dropout multiplier k_ij,
+        d_i  = exact(sum_j p_ij g_ij) rounded once,
+        dmask_ij = p_ij * (g_ij - d_i),
+
+    p the forward's weights (attention_probs: 0 where a key is not allowed). Elementwise IEEE
+    operations on exact sums: the same bytes on every device and in any batch. O(B H Lq Lk)
+    memory, which only a mask that needs a gradient costs."""
+    b, h, lq, _ = q.shape
+    hkv, lk, ev = v.shape[1], v.shape[2], v.shape[3]
+    p = attention_probs(q, k, stats, mask.detach(), scale, causal)
+    vh = v if hkv == h else v.unsqueeze(2).expand(b, hkv, h // hkv, lk, ev).reshape(b, h, lk, ev)
+    g = det_bmm(d_out.to(q.dtype).reshape(b * h, lq, ev), vh.reshape(b * h, lk, ev)).view(b, h, lq, lk)
+    if dropout is not None:
+        g = g * dropout_multiplier(p, dropout.p, dropout.key)
+    d = det_finalize(det_row_sums(p.reshape(-1, lk), g.reshape(-1, lk))).view(b, h, lq, 1)
+    return (p * (g - d)).to(mask.dtype)
 
 
 def _dropout_arg(dropout_p, dropout_key, batch: int) -> Optional[AttentionDropout]:
@@ -119,8 +145,9 @@ def det_scaled_dot_product_attention(
             fewer heads in dimension -3: a divisor of query's).
         value: (..., Lk, Ev), the same leading dims and dtype as ``key``; Ev <= 256.
         attn_mask: optional, broadcastable to (..., Lq, Lk): bool (True = may attend) or float
-            (added to the scores). Treated as a constant (no gradient). A query row that may
-            attend nothing gets 0, as PyTorch's SDPA gives.
+            (added to the scores). A float mask that requires grad gets its gradient (see
+            ``_mask_grad``; summed exactly over the dimensions it is broadcast along, rounded
+            once). A query row that may attend nothing gets 0, as PyTorch's SDPA gives.
         dropout_p: attention dropout, applied to the weights as PyTorch does (``P * m`` before
             ``P @ V``, ``m`` = 1/(1-p) where kept, 0 where dropped; the backward uses the same
             ``m``). The mask is keyed (:mod:`lightning_det.ops.dropout`) over each sample's
@@ -170,12 +197,19 @@ def det_scaled_dot_product_attention(
     if attn_mask is not None:
         if not isinstance(attn_mask, torch.Tensor):
             raise TypeError(f"attn_mask: expected a tensor or None, got {type(attn_mask).__name__}")
+        full = torch.Size((*lead, lq, lk))
         try:
-            mask = attn_mask.to(query.device).expand(*lead, lq, lk)
+            if torch.broadcast_shapes(attn_mask.shape, full) != full:
+                raise RuntimeError("larger than the scores")
+            mask = attn_mask.to(query.device)
         except RuntimeError as err:
-            raise ValueError(f"attn_mask: expected a shape broadcastable to {(*lead, lq, lk)}, "
+            raise ValueError(f"attn_mask: expected a shape broadcastable to {tuple(full)}, "
                              f"got {tuple(attn_mask.shape)}") from err
-        mask = _as_4d(mask.detach(), b, h)
+        if mask.is_floating_point() and mask.requires_grad and torch.is_grad_enabled():
+            mask = mask if mask.shape == full else _ExactExpand.apply(mask, full)
+        else:
+            mask = mask.detach().expand(full)
+        mask = _as_4d(mask, b, h)
     scale = 1.0 / math.sqrt(e) if scale is None else float(scale)
     dropout = _dropout_arg(dropout_p, dropout_key, b)
     out, _ = fused_attention(_as_4d(query, b, h), _as_4d(key, b, hkv), _as_4d(value, b, hkv), mask, scale,

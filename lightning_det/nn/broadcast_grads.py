@@ -47,6 +47,7 @@ from torch import nn
 from ..ops import LongAcc, det_col_sums, det_finalize, to_digits
 from ..ops.trust import trusted_fn
 from ..profile import WORDS
+from .movement import digits_to_source, moved_from
 from .step_state import StepState
 
 __all__ = ["BROADCAST_FUNCS", "BroadcastGradError", "call_with_exact_broadcasts", "exact_reduce_digits"]
@@ -182,6 +183,15 @@ def _det_op_sink(t: torch.Tensor, state: StepState, result_shape: torch.Size) ->
     return _Sink(param, full_grad_to_digits, True)
 
 
+def _moved_sink(t: torch.Tensor, state: StepState) -> Optional[_Sink]:
+    """Data movement of a Parameter (lightning_det.nn.movement): its copies' digits, added."""
+    found = moved_from(t, state)
+    if found is None:
+        return None
+    param, positions = found
+    return _Sink(param, lambda acc: digits_to_source(acc, positions, param), False)
+
+
 # ---- the autograd Function ------------------------------------------------------------------
 class _ExactBroadcast(torch.autograd.Function):
     """``value`` broadcast (expanded, or tiled by ``repeat``) to ``shape``; backward delivers the
@@ -314,6 +324,8 @@ def _route(func, t, shape, dtype, reps, state, strict, tensors) -> Optional[torc
         sink = _param_sink(t)
         if sink is None and expanded and reps is None:
             sink = _det_op_sink(t, state, torch.Size(shape))
+        if sink is None:  # broadcast or not, as a Parameter's: its every use collects digits
+            sink = _moved_sink(t, state)
     if sink is None:
         if strict and _crosses_dim0(t.shape, shape):
             raise BroadcastGradError(_message(func, t, shape, tensors, dtype))

@@ -8,6 +8,7 @@ import inspect
 import warnings
 from typing import Callable, Optional
 
+import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
@@ -16,6 +17,7 @@ from .attention_routes import MATMUL_FUNCS, NOT_ROUTED, SOFTMAX_FUNCS, matmul_ro
 from .broadcast_grads import BROADCAST_FUNCS, call_with_exact_broadcasts
 from .dropout import functional_dropout, sdpa_dropout_key
 from .elementwise_routes import DETMATH_FUNCS, detmath_route
+from .indexing import INDEX_FUNCS, index_route
 from .reductions import CUMSUM_FUNCS, REDUCTION_FUNCS, cumsum_route, reduction_route
 from .loss import cross_entropy_rows, cross_entropy_unsupported, det_cross_entropy_checked
 from .step_state import StepState, StepStateMode
@@ -31,7 +33,8 @@ def _route_table() -> dict:
                          (SOFTMAX_FUNCS, lambda mode, f, a, k: softmax_route(f, a, k)),
                          (DETMATH_FUNCS, lambda mode, f, a, k: detmath_route(f, a, k)),
                          (REDUCTION_FUNCS, lambda mode, f, a, k: reduction_route(f, a, k)),
-                         (CUMSUM_FUNCS, lambda mode, f, a, k: cumsum_route(f, a, k))):
+                         (CUMSUM_FUNCS, lambda mode, f, a, k: cumsum_route(f, a, k)),
+                         (INDEX_FUNCS, lambda mode, f, a, k: index_route(f, a, k))):
         table.update(dict.fromkeys(funcs, route))
     return table
 
@@ -55,6 +58,8 @@ class _DetFunctionMode(StepStateMode):
             dropout_key, fallback = sdpa_dropout_key(args, kwargs, state, self.strict)
             if fallback:  # dropout_p > 0 without a position, non-strict: PyTorch's own, unverified
                 return func(*args, **kwargs)
+            if state is not None:
+                args, kwargs = _mask_across_the_batch(args, kwargs, state, self.strict)
             return det_scaled_dot_product_attention(*args, dropout_key=dropout_key, **kwargs)
         if func is F.dropout:
             return functional_dropout(func, args, kwargs, self.ldet_step_state, self.strict)
@@ -97,6 +102,29 @@ class _DetFunctionMode(StepStateMode):
         if self._reduce_takes_count:  # the row count is known here: no second read of the mask
             return self.loss_reduce(rows, valid, reduction, a["input"].dtype, count=n_valid)
         return self.loss_reduce(rows, valid, reduction, a["input"].dtype)
+
+
+def _mask_across_the_batch(args, kwargs, state: StepState, strict: bool):
+    """The SDPA call's arguments with a float mask that needs a gradient expanded to the scores'
+    shape through the exact broadcast (lightning_det.nn.broadcast_grads): shared by the batch, its
+    gradient goes to its Parameter as digits (or strict mode raises), never as a per-rank float sum."""
+    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+    query = args[0] if args else kwargs.get("query")
+    key = args[1] if len(args) > 1 else kwargs.get("key")
+    if not (isinstance(mask, torch.Tensor) and mask.is_floating_point() and mask.requires_grad
+            and isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() >= 3
+            and torch.is_grad_enabled()):
+        return args, kwargs
+    full = (*query.shape[:-2], query.shape[-2], key.shape[-2])
+    try:
+        if torch.broadcast_shapes(mask.shape, full) != torch.Size(full):
+            return args, kwargs  # det_scaled_dot_product_attention's own error
+    except RuntimeError:
+        return args, kwargs
+    routed = call_with_exact_broadcasts(torch.Tensor.expand, (mask, *full), {}, state, strict)
+    if len(args) > 3:
+        return (*args[:3], routed, *args[4:]), kwargs
+    return args, {**kwargs, "attn_mask": routed}
 
 
 def _takes_count(fn: Callable) -> bool:

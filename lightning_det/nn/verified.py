@@ -108,7 +108,7 @@ VERIFIED_MODULES: dict[str, dict] = {
 
 #: PyTorch functions that ``det_function_mode`` (applied by det_ddp around training and
 #: validation steps) sends to a det version. Same keys as above; tests: tests/test_attention.py,
-#: tests/test_fused_attention.py,
+#: tests/test_fused_attention.py, tests/test_reductions.py, tests/test_indexing.py,
 #: tests/test_det_cross_entropy.py, tests/test_keyed_dropout.py. "device" is listed once the CUDA
 #: test has passed on a GPU.
 VERIFIED_FUNCTIONS: dict[str, dict] = {
@@ -137,6 +137,11 @@ VERIFIED_FUNCTIONS: dict[str, dict] = {
         "replacement": "det_sum / det_mean / det_cumsum (also the Tensor methods; lightning_det.nn.reductions)",
         "invariances": ["run-to-run", "batch (row count)", "exact sum (each prefix) rounded once", "device"],
         "verified_on": ["cpu", "cuda (H200)"],
+    },
+    "torch.Tensor.__getitem__ (tensor or list indices) / torch.gather / torch.take_along_dim": {
+        "replacement": "det_index / det_gather / det_take_along_dim (lightning_det.nn.indexing)",
+        "invariances": ["run-to-run", "batch (the picks' order)", "exact sum of repeated picks rounded once"],
+        "verified_on": ["cpu"],
     },
     "torch.nn.functional.dropout": {
         "replacement": "keyed dropout (lightning_det.nn.dropout; also attention's dropout_p > 0)",

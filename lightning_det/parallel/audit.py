@@ -101,13 +101,17 @@ PROJECT_OPS: Dict[str, VerifiedOp] = {
 # Inputs for which a verified op is not invariant on the CPU (its vector body and scalar tail
 # round differently): add/sub with alpha != 1 in bf16/fp16, rsqrt below fp32, and pow unless the
 # exponent is the number 1, 2 or 3 (which PyTorch computes as a copy or products; x.square()'s
-# backward takes pow(x, 1)). The audit names such a
-# call with a qualifier, e.g. "aten.add(alpha, torch.bfloat16)", which is not verified.
+# backward takes pow(x, 1)); or not a data movement: index_put_ with accumulate=True on floats
+# (repeated positions summed in an unfixed order). The audit names such a call with a
+# qualifier, e.g. "aten.add(alpha, torch.bfloat16)", which is not verified.
 _HALF = (torch.bfloat16, torch.float16)
 _POW_EXPONENTS = (1, 2, 3)
 
 
 def _qualifier(name: str, args, kwargs) -> str:
+    if name == "aten.index_put_":  # accumulate=True sums repeated positions in an unfixed order
+        accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+        return "(accumulate)" if accumulate and args[0].is_floating_point() else ""
     if name in ("aten.pow", "aten.pow_"):
         exponent = args[1] if len(args) > 1 else kwargs.get("exponent")
         ok = isinstance(args[0], torch.Tensor) and not isinstance(exponent, torch.Tensor) and exponent in _POW_EXPONENTS
