@@ -4,7 +4,8 @@ Launched by tests as `python tests/zoo_harness.py --devices N --models a,b ...` 
 subprocess; Lightning's launcher starts the other ranks, and every rank fits the models one after
 another. Rank 0 writes --out (JSON lines): {"model", "step", "loss_hex", "params_sha256",
 "optim_sha256", "step_s"} after every optimizer step (step_s: wall time from the step's first
-micro-batch to its end, synchronized on CUDA; benchmarks/zoo_step.py reads it), or
+micro-batch to its end, synchronized on CUDA; benchmarks/zoo_step.py reads it; the first step's
+line also has "unchanged", the parameters that step left as they were), or
 {"model", "error"} when a model's run raised.
 """
 from __future__ import annotations
@@ -71,6 +72,10 @@ class ZooModule(L.LightningModule):
 class Recorder(L.Callback):
     def __init__(self, path: str, name: str):
         self.path, self.name, self.last, self.t0 = path, name, 0, None
+        self.initial = None
+
+    def on_train_start(self, trainer, pl_module):
+        self.initial = {n: p.detach().clone() for n, p in pl_module.model.named_parameters()}
 
     @staticmethod
     def _now(pl_module) -> float:
@@ -90,8 +95,12 @@ class Recorder(L.Callback):
         if trainer.global_rank != 0:
             return
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        extra = {}
+        if trainer.global_step == 1:  # parameters the first step left as they were
+            extra["unchanged"] = sorted(n for n, p in pl_module.model.named_parameters()
+                                        if torch.equal(p.detach(), self.initial[n]))
         with open(self.path, "a") as f:
-            f.write(json.dumps({
+            f.write(json.dumps({**extra,
                 "model": self.name, "step": trainer.global_step,
                 "loss_hex": struct.pack("<f", float(loss.detach().float())).hex(),
                 "params_sha256": tensors_digest(pl_module.model.named_parameters()),

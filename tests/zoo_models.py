@@ -157,6 +157,9 @@ MORE = {
     # position ids from a cumsum of the padding mask (integers), torch.tanh in the head
     "roberta": ZooEntry(_hf("RobertaConfig", "RobertaForSequenceClassification", num_labels=CLASSES,
                             **{**_TINY_LM, "max_position_embeddings": 20}), "tokens_cls", _cls_loss),
+    # a sequence classifier: each row's last non-pad token picked by advanced indexing
+    "gpt2_cls": ZooEntry(_hf("GPT2Config", "GPT2ForSequenceClassification", vocab_size=VOCAB, n_positions=16, n_embd=16,
+                             n_layer=2, n_head=2, num_labels=CLASSES, pad_token_id=0), "tokens_cls", _cls_loss),
     # biased q/k/v projections, grouped-query heads
     "qwen2": ZooEntry(_hf("Qwen2Config", "Qwen2ForCausalLM", num_key_value_heads=1, **_TINY_LM), "tokens", _lm_loss),
     # (1 + weight) RMSNorms, an embedding scaled by a buffer, tanh-GELU
