@@ -114,7 +114,8 @@ def plain_settings():
     return restore
 
 
-def run(name, det, precision, optimizer, shape, ds, vocab, args, restore_plain) -> dict:
+def run(name, det, precision, optimizer, shape, ds, vocab, args, restore_plain, extra_callbacks=()) -> dict:
+    """One run of RUNS; ``extra_callbacks`` join the Trainer's (benchmarks/tools/step_timeline.py profiles with one)."""
     import lightning as L
 
     import _real_data
@@ -159,7 +160,7 @@ def run(name, det, precision, optimizer, shape, ds, vocab, args, restore_plain) 
         strategy = "auto"
         sampler = DeterministicSampler(len(ds), mb, seed=args.seed)  # det_ddp's order at one device
         loader = torch.utils.data.DataLoader(ds, batch_size=mb, sampler=sampler)
-    callbacks = [StepEnds()]
+    callbacks = [StepEnds(), *extra_callbacks]
     digest_dir = None
     if name.endswith("-digest"):
         from lightning_det.callbacks import DigestCallback

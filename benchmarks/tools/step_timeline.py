@@ -1,9 +1,11 @@
 """Where a det_ddp training step on one GPU leaves the GPU idle, and what the host does meanwhile.
 
-    python benchmarks/tools/step_timeline.py --out /tmp/timeline.json     # CUDA only
+    python benchmarks/tools/step_timeline.py --out /tmp/timeline.json             # CUDA only
+    python benchmarks/tools/step_timeline.py --model gpt --out /tmp/gpt.json     # gpt_step's det-bf16 run
 
-The model is benchmarks/ddp_step.py's (embedding, LayerNorm, MLP, LayerNorm, head). Steps 10-12
-run under torch.profiler. Per step (the span of Lightning's Optimizer.step, which holds the
+The model is benchmarks/ddp_step.py's (embedding, LayerNorm, MLP, LayerNorm, head), or with
+--model gpt benchmarks/gpt_step.py's GPT-2-small det_ddp bf16 run (its shape; --gpt-layers
+shortens it). Steps 10-12 run under torch.profiler. Per step (the span of Lightning's Optimizer.step, which holds the
 forward, backward and update; its GPU work counted to its end): the GPU's busy time (the union
 of its kernel and copy intervals)
 and its idle gaps. Then, over the gaps longer than 20 us, the host ops they overlap, by name:
@@ -30,10 +32,8 @@ PROFILED = (10, 13)  # global steps [first, end)
 MIN_GAP_US = 20
 
 
-def run_profiled(width: int, batch: int, guess: str):
+def _profiler_callback():
     import lightning as L
-
-    from _common import det_step_module, det_strategy, token_loader
 
     class Profile(L.Callback):
         prof = None
@@ -52,14 +52,34 @@ def run_profiled(width: int, batch: int, guess: str):
                 self.prof.__exit__(None, None, None)
                 self.done, self.prof = self.prof, None
 
+    return Profile()
+
+
+def run_profiled(width: int, batch: int, guess: str):
+    import lightning as L
+
+    from _common import det_step_module, det_strategy, token_loader
+
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 512, (batch * (PROFILED[1] + 3),), generator=g)
     dl = token_loader(x, (x * 7 + 3) % 512, batch)
-    cb = Profile()
+    cb = _profiler_callback()
     trainer = L.Trainer(accelerator="gpu", devices=1, strategy=det_strategy(guess), max_steps=PROFILED[1] + 1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[cb])
     trainer.fit(det_step_module(width), dl)
+    return cb.done.events()
+
+
+def run_profiled_gpt(layers: int):
+    import gpt_step
+
+    shape = {**gpt_step.GPT2_SMALL, "steps": PROFILED[1] + 1, "n_layers": layers}
+    ids, _ = gpt_step.stdlib_tokens(shape["max_chars"], shape["vocab"])
+    args = argparse.Namespace(device="cuda", seed=0, lr=3e-4)
+    cb = _profiler_callback()
+    gpt_step.run("det-bf16", True, "bf16-true", "adamwsr", shape, gpt_step.Windows(ids, shape["seq_len"]),
+                 shape["vocab"], args, gpt_step.plain_settings(), extra_callbacks=[cb])
     return cb.done.events()
 
 
@@ -118,14 +138,20 @@ def main(argv=None):
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--slices-guess", default="default", choices=["default", "sync", "cached"])
+    p.add_argument("--model", default="mlp", choices=["mlp", "gpt"])
+    p.add_argument("--gpt-layers", type=int, default=12, help="with --model gpt: layers (12: GPT-2-small)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("step_timeline.py needs a CUDA GPU")
     from _common import header
 
-    res = {**header("cuda"), "width": a.width, "batch": a.batch, "slices_guess": a.slices_guess,
-           **analyse(run_profiled(a.width, a.batch, a.slices_guess))}
+    if a.model == "gpt":
+        res = {**header("cuda"), "model": f"gpt_step det-bf16, {a.gpt_layers} layers",
+               **analyse(run_profiled_gpt(a.gpt_layers))}
+    else:
+        res = {**header("cuda"), "width": a.width, "batch": a.batch, "slices_guess": a.slices_guess,
+               **analyse(run_profiled(a.width, a.batch, a.slices_guess))}
     print(json.dumps({k: v for k, v in res.items() if not k.endswith("_per_step") or k.startswith("gpu_busy")}))
     for name, us in res["gpu_kernels_us_per_step"][:15]:
         print(f"{us:9d} us/step of GPU  {name[:90]}")
