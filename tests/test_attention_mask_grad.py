@@ -101,6 +101,17 @@ class _BiasAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
 
+class _CausalBiasAttention(_BiasAttention):
+    """T5's decoder pattern: the bias table goes through a causal ``where`` with a broadcast
+    condition (a broadcasting op: the table is routed there already) before it becomes the mask."""
+
+    def forward(self, q, k, v):
+        bias = self.table[self.index].view(self.n, self.n, -1).permute(2, 0, 1).unsqueeze(0)
+        causal = torch.ones(1, 1, self.n, self.n, dtype=torch.bool).tril()
+        bias = torch.where(causal, bias, torch.tensor(-1e9)).clone()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
 def _table_grad(net, q, k, v, go, splits):
     state = StepState()
     net.table.grad = None
@@ -115,9 +126,10 @@ def _table_grad(net, q, k, v, go, splits):
     return net.table.grad.clone()
 
 
-def test_a_shared_bias_table_gets_exact_digits_whatever_the_split():
+@pytest.mark.parametrize("net_cls", [_BiasAttention, _CausalBiasAttention])
+def test_a_shared_bias_table_gets_exact_digits_whatever_the_split(net_cls):
     torch.manual_seed(0)
-    net = _BiasAttention()
+    net = net_cls()
     q, k, v, _ = _qkv(8, 2, 2, 5, 5, 4, seed=8)
     go = gen.wide_exponents((8, 2, 5, 4), -20, 20, torch.float32, seed=9)
     whole = _table_grad(net, q, k, v, go, [(0, 8)])

@@ -188,8 +188,8 @@ def _moved_sink(t: torch.Tensor, state: StepState) -> Optional[_Sink]:
     found = moved_from(t, state)
     if found is None:
         return None
-    param, positions = found
-    return _Sink(param, lambda acc: digits_to_source(acc, positions, param), False)
+    return _Sink(found.param, lambda acc: found.to_param(digits_to_source(acc, found.positions, found.source_shape)),
+                 False)
 
 
 # ---- the autograd Function ------------------------------------------------------------------

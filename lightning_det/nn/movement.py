@@ -16,7 +16,7 @@ positions come from replaying the chain on ``arange(param.numel())``.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -25,7 +25,7 @@ from ..ops import LongAcc, det_normalize
 from ..ops.trust import trusted_fn
 from ..profile import WORDS
 
-__all__ = ["moved_from", "digits_to_source"]
+__all__ = ["Moved", "moved_from", "digits_to_source"]
 
 # nodes that keep the row-major order of the elements (their replay is a reshape); a node's
 # input shape is the forward output shape its input node records (``_input_metadata``)
@@ -101,14 +101,45 @@ def _embedding_source(fn, state) -> Optional[Tuple[nn.Parameter, torch.Tensor]]:
     return weight, pos
 
 
+class Moved(NamedTuple):
+    """A tensor's elements as copies of a source's: ``positions`` (int64, the tensor's shape) holds
+    each element's row-major index in the source (of ``source_shape``), -1 where it carries none;
+    ``to_param`` maps the source's digits to ``param``'s."""
+    param: nn.Parameter
+    positions: torch.Tensor
+    source_shape: Tuple[int, ...]
+    to_param: Callable[[LongAcc], LongAcc]
+
+
+def _same(acc: LongAcc) -> LongAcc:
+    return acc
+
+
+def _broadcast_source(fn, state, out_shape):
+    """An exact broadcast's output (``_ExactBroadcast``, whose sink maps its operand's digits to a
+    Parameter's): ``(param, operand positions, the sink's map, the broadcast's replay)``, or None.
+    A sink that takes the full gradient (a det op's) has no operand-shaped digits: None."""
+    if type(fn).__name__ != "_ExactBroadcastBackward" or fn.state is not state or fn.sink.takes_full:
+        return None
+    vshape, reps = fn.vshape, fn.reps
+    numel = 1
+    for s in vshape:
+        numel *= s
+    pos = torch.arange(numel, device=fn.sink.param.device).view(vshape)
+    replay = (lambda p: p.repeat(reps)) if reps is not None else (lambda p: p.expand(out_shape))
+    return fn.sink.param, pos, fn.sink.to_param, replay
+
+
 @trusted_fn  # integer bookkeeping on positions
-def moved_from(t: torch.Tensor, state) -> Optional[Tuple[nn.Parameter, torch.Tensor]]:
-    """``(param, positions)`` where ``t`` is data movement of a Parameter: ``positions`` (int64,
-    ``t``'s shape) holds each element's row-major index in ``param``, -1 where it carries none
-    (a padding row); None where ``t`` is anything else. ``state``: the StepState a DetEmbedding
-    source must belong to."""
+def moved_from(t: torch.Tensor, state) -> Optional[Moved]:
+    """:class:`Moved` where ``t`` is data movement of a Parameter (-1: a padding row). The source is
+    the Parameter itself or a DetEmbedding lookup of it (``to_param`` the identity), or an exact
+    broadcast's operand (lightning_det.nn.broadcast_grads: its sink's map), where a tensor moved
+    from a Parameter was routed before. None where ``t`` is anything else. ``state``: the
+    StepState the source must belong to."""
     fn, out_shape = t.grad_fn, tuple(t.shape)
     replays: List[Callable] = []
+    to_param = _same
     for _ in range(_MAX_DEPTH):
         if fn is None:
             return None
@@ -117,10 +148,18 @@ def moved_from(t: torch.Tensor, state) -> Optional[Tuple[nn.Parameter, torch.Ten
             if not (isinstance(var, nn.Parameter) and var.requires_grad and tuple(var.shape) == out_shape):
                 return None
             param, pos = var, torch.arange(var.numel(), device=var.device).view(var.shape)
+            source_shape = tuple(var.shape)
+            break
+        routed = _broadcast_source(fn, state, out_shape)
+        if routed is not None:
+            param, pos, to_param, replay = routed
+            source_shape = tuple(pos.shape)
+            replays.append(replay)
             break
         src = _embedding_source(fn, state)
         if src is not None:
             param, pos = src
+            source_shape = tuple(param.shape)
             if tuple(pos.shape) != out_shape:
                 return None
             break
@@ -143,15 +182,18 @@ def moved_from(t: torch.Tensor, state) -> Optional[Tuple[nn.Parameter, torch.Ten
         pos = replay(pos)
     if tuple(pos.shape) != tuple(t.shape):
         return None
-    return param, pos.to(t.device)
+    return Moved(param, pos.to(t.device), source_shape, to_param)
 
 
 @trusted_fn
-def digits_to_source(acc: LongAcc, positions: torch.Tensor, param: nn.Parameter) -> LongAcc:
-    """The Parameter's digits from those of its copies (``acc``: ``(*positions.shape, 19)``): each
+def digits_to_source(acc: LongAcc, positions: torch.Tensor, source_shape: Tuple[int, ...]) -> LongAcc:
+    """The source's digits from those of its copies (``acc``: ``(*positions.shape, WORDS)``): each
     element the integer sum of its copies' words, canonical."""
     flat, pos = acc.reshape(-1, WORDS), positions.reshape(-1)
     keep = pos >= 0
-    out = torch.zeros((param.numel(), WORDS), dtype=torch.int64, device=acc.device)
+    numel = 1
+    for s in source_shape:
+        numel *= s
+    out = torch.zeros((numel, WORDS), dtype=torch.int64, device=acc.device)
     out.index_add_(0, pos[keep], flat[keep])  # integers: exact in any order
-    return det_normalize(out).reshape(*param.shape, WORDS)
+    return det_normalize(out).reshape(*source_shape, WORDS)
