@@ -339,3 +339,36 @@ def test_signed_zeros_round_as_torch_does(dtype):
     assert_bitwise(y, ry, "y")
     gy = -torch.ones(6, 1, dtype=dtype)
     assert_bitwise(_backward(gy, xhat, rstd, w, False, dtype), norm_backward_ref(gy, xhat, rstd, w, False, dtype), "gx")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+@pytest.mark.parametrize("width", [33, 768])
+def test_cuda_row_sums_near_rounding_boundaries_match_cpu(rms, dtype, width):
+    # The CUDA kernels decide most row sums from an fp64 sum and its error bound and leave the
+    # rest to the digits (csrc/cuda/warp_digits.cuh). Rows whose exact sums sit on or just past an
+    # fp32 rounding midpoint, cancel to zero or to a value far below their terms, or are all signed
+    # zeros: an fp64 sum rounded to fp32 gets some of these wrong (1 + 2^-24 + 2^-60 rounds to
+    # 1 + 2^-24 in fp64, then to 1 by ties-to-even, where the exact sum rounds up), the CPU's digits
+    # never do.
+    rows = []
+
+    def row(*vals):
+        r = torch.zeros(width)
+        r[: len(vals)] = torch.tensor(vals, dtype=torch.float64).float()
+        rows.append(r)
+
+    row(1.0, 2.0**-24, 2.0**-60)           # just above a midpoint
+    row(1.0, 2.0**-24, -(2.0**-60))        # just below it
+    row(1.0, 2.0**-24)                     # on it: ties to even
+    row(3.0, -3.0)                         # cancels to an exact zero
+    row(1.0, -1.0, 2.0**-130)              # cancels to a tiny sum
+    row(2.0**100, 1.0, -(2.0**100), 2.0**-20)  # cancellation across 120 binades
+    rows.append(torch.full((width,), -0.0))
+    rows.append(torch.zeros(width))
+    x = torch.stack(rows + [gen.normal((width,), torch.float32, 20 + i) for i in range(8)]).to(dtype)
+    # the backward's sums: gradients that cancel against xhat
+    gy = torch.stack([r.flip(0) for r in rows] + [gen.normal((width,), torch.float32, 40 + i) * 3
+                                                  for i in range(8)]).to(dtype)
+    _assert_cuda_equals_cpu(x, None, None, gy, rms, dtype, f"{dtype} boundary rows, width {width}")

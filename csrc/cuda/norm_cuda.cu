@@ -28,13 +28,12 @@ at::Tensor contiguous_or_undefined(const c10::optional<at::Tensor>& t) {
   return t.has_value() ? t->contiguous() : at::Tensor();
 }
 
-// round(exact sum_j term(j)) / W over one row, the warp's lanes taking j = lane, lane + 32, ...;
-// every lane returns it.
+// round(exact sum_j term(j)) / W over one row (norm_mean's value), the warp's lanes taking
+// j = lane, lane + 32, ...; every lane returns it. Most rows are decided by an fp64 sum and its
+// error bound (warp_row_sum_fp32), the rest by the digits.
 template <class Term>
 __device__ float warp_row_mean(int64_t W, float width, int lane, const Term& term) {
-  int64_t acc[LDET_WORDS];
-  warp_row_digits(W, lane, term, acc);
-  return norm_mean(acc, width);
+  return warp_row_sum_fp32(W, lane, term) / width;
 }
 
 template <typename T>

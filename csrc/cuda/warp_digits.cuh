@@ -38,4 +38,43 @@ __device__ void warp_row_digits(int64_t W, int lane, const Term& term, int64_t* 
   normalize(acc);
 }
 
+// round_fp32(the exact sum over j = lane, lane + 32, ... < W of term(j)), the same in every lane:
+// finalize_fp32 of warp_row_digits' sum, decided where possible without the digits.
+//
+// Fast path: each lane sums its terms in fp64 (s) and their magnitudes (a), and the lanes add both
+// in an xor butterfly (each addition commutative, so every lane holds the same s and a). Every
+// term passes through at most h = ceil(W / 32) + 5 rounded additions, so |s - exact| <=
+// gamma_h * sum|t| <= 2 h u a (u = 2^-53; a >= sum|t| (1 - gamma_h)): the terms are fp32 values or
+// exact products of two (multiples of 2^-298, far above fp64's subnormals, and below 2^257), so
+// no addition underflows or overflows. e = (h + 2) 2^-52 a, rounded up, bounds the error; the exact
+// sum lies in [s - e, s + e] (rounded outward), and where both ends round to the same finite,
+// nonzero fp32, so does it (rounding is monotonic): that is finalize_fp32's result, an IEEE
+// round-to-nearest-even of the exact sum. A row of zero terms sums to +0. Anything else (a bound
+// that straddles a rounding boundary or zero, a non-finite term) takes the digits. The decision
+// depends on s and a alone, so the whole warp takes the same path.
+template <class Term>
+__device__ float warp_row_sum_fp32(int64_t W, int lane, const Term& term) {
+  double s = 0.0, a = 0.0;
+  for (int64_t j = lane; j < W; j += kWarpLanes) {
+    const double t = term(j);
+    s = __dadd_rn(s, t);
+    a = __dadd_rn(a, fabs(t));
+  }
+#pragma unroll
+  for (int o = kWarpLanes / 2; o > 0; o >>= 1) {
+    s = __dadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
+    a = __dadd_rn(a, __shfl_xor_sync(0xffffffffu, a, o));
+  }
+  if (a == 0.0) return 0.0f;  // every term +-0: the exact sum is 0, finalized as +0
+  if (isfinite(a)) {
+    const double h = double((W + kWarpLanes - 1) / kWarpLanes + 5);
+    const double e = __dmul_ru(a, (h + 2.0) * 0x1p-52);
+    const float lo = __double2float_rn(__dsub_rd(s, e)), hi = __double2float_rn(__dadd_ru(s, e));
+    if (__float_as_uint(lo) == __float_as_uint(hi) && lo != 0.0f && isfinite(lo)) return lo;
+  }
+  int64_t acc[LDET_WORDS];
+  warp_row_digits(W, lane, term, acc);
+  return finalize_fp32(acc);
+}
+
 }  // namespace ldet
