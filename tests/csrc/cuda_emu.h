@@ -43,6 +43,7 @@ struct Block {
   std::vector<std::vector<char>> stacks;
   std::vector<char> done;
   std::vector<float> exch;
+  std::vector<uint64_t> exch64;
   ucontext_t sched;
   const std::function<void()>* body = nullptr;
 };
@@ -72,6 +73,38 @@ inline float shfl_xor(float v, int off) {
   return r;
 }
 
+template <typename T>
+inline T shfl_xor64(T v, int off) {
+  static_assert(sizeof(T) == 8, "64-bit values");
+  Block& b = blk();
+  std::memcpy(&b.exch64[b.cur], &v, 8);
+  barrier();
+  T r;
+  std::memcpy(&r, &b.exch64[b.cur ^ off], 8);
+  barrier();
+  return r;
+}
+
+// x rounded toward +inf (dir > 0) or -inf (dir < 0), from its nearest rounding rn and err =
+// x - rn (exact: TwoSum, or an fma for a product); a and b the operands of an addition, for the
+// sign of an exact zero (IEEE: -0 toward -inf unless both are +0, +0 toward +inf unless both -0).
+inline double round_dir(double rn, double err, int dir) {
+  if (!std::isfinite(rn)) return rn;
+  if (err > 0 && dir > 0) return std::nextafter(rn, INFINITY);
+  if (err < 0 && dir < 0) return std::nextafter(rn, -INFINITY);
+  return rn;
+}
+
+inline double add_dir(double a, double b, int dir) {
+  const double s = a + b;
+  if (s == 0) {  // an exact zero (a sum of doubles that rounds to 0 is 0)
+    if (std::signbit(a) == std::signbit(b)) return a;  // two zeros of one sign
+    return dir < 0 ? -0.0 : 0.0;
+  }
+  const double bb = s - a;
+  return round_dir(s, (a - (s - bb)) + (b - bb), dir);  // TwoSum's error term
+}
+
 inline void trampoline() {
   Block& b = blk();
   (*b.body)();
@@ -90,6 +123,7 @@ inline void launch(dim3 grid, dim3 block, Order order, const std::function<void(
   b.ctx.resize(b.nthreads);
   b.stacks.resize(b.nthreads);
   b.exch.assign(b.nthreads, 0.0f);
+  b.exch64.assign(b.nthreads, 0);
   std::vector<int> seq(b.nthreads);
   uint32_t rng = 12345u;
   for (unsigned z = 0; z < grid.z; ++z)
@@ -144,6 +178,18 @@ inline void launch(dim3 grid, dim3 block, Order order, const std::function<void(
 
 inline void __syncthreads() { ::emu::barrier(); }
 inline float __shfl_xor_sync(unsigned, float v, int off) { return ::emu::shfl_xor(v, off); }
+inline double __shfl_xor_sync(unsigned, double v, int off) { return ::emu::shfl_xor64(v, off); }
+inline long long __shfl_xor_sync(unsigned, long long v, int off) { return ::emu::shfl_xor64(v, off); }
+// fp64 arithmetic in a stated rounding direction, as the CUDA intrinsics
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dadd_ru(double a, double b) { return ::emu::add_dir(a, b, 1); }
+inline double __dsub_rd(double a, double b) { return ::emu::add_dir(a, -b, -1); }
+inline double __dmul_ru(double a, double b) {
+  const double p = a * b;
+  return ::emu::round_dir(p, std::fma(a, b, -p), 1);  // exact error while a * b does not underflow
+}
+inline float __double2float_rn(double d) { return float(d); }
+using std::isfinite;
 inline uint32_t __float_as_uint(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
