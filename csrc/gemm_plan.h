@@ -195,6 +195,7 @@ inline constexpr CostRow kCostTable[] = {
   {GemmDevice::kCuda, InputClass::kFp32, 18, 2, 1, kNoFigure, false, "slices from 64^3"},
   {GemmDevice::kCuda, InputClass::kFp32, 30, 7.41, 1.54, 1.28, true, "h200-gemm.json fp32 4096^3 normal"},
   {GemmDevice::kCuda, InputClass::k16Bit, 0, 1.92, 7.14, kNoFigure, true, "bf16 1024^3: kernel 0.52x, slices 0.14x"},
+  {GemmDevice::kCuda, InputClass::k16Bit, 32, 4.07, 1.87, 2.22, true, "h100-gemm_routes.json bf16 8192x768x768"},
   {GemmDevice::kCuda, InputClass::k16Bit, 34, 1.75, 0.77, 1.57, true, "h200-gemm.json bf16 4096^3 normal"},
 };
 // clang-format on
