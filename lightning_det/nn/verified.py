@@ -140,8 +140,9 @@ VERIFIED_FUNCTIONS: dict[str, dict] = {
     },
     "torch.Tensor.__getitem__ (tensor or list indices) / torch.gather / torch.take_along_dim": {
         "replacement": "det_index / det_gather / det_take_along_dim (lightning_det.nn.indexing)",
-        "invariances": ["run-to-run", "batch (the picks' order)", "exact sum of repeated picks rounded once"],
-        "verified_on": ["cpu"],
+        "invariances": ["run-to-run", "batch (the picks' order)", "exact sum of repeated picks rounded once",
+                        "device"],
+        "verified_on": ["cpu", "cuda (H200)"],
     },
     "torch.nn.functional.dropout": {
         "replacement": "keyed dropout (lightning_det.nn.dropout; also attention's dropout_p > 0)",
