@@ -33,6 +33,7 @@ sys.path.insert(0, str(HERE))
 # else the whole file. tests/test_cuda_suite.py checks that no such file is missing.
 SPECS = [
     ("test_adamw_sr", "cuda"),
+    ("test_alibi_routes", "cuda"),
     ("test_attention_mask_grad", "cuda"),
     ("test_broadcast_grads", "cuda"),
     ("test_ce_op", "cuda"),

@@ -5,8 +5,8 @@ Models (tests/zoo_models.py): Hugging Face GPT-2 (default dropout, the library's
 ``labels=``), Llama (grouped-query attention, rotary embeddings), ViT (conv patches, cls token,
 position embedding), a ResNet (Conv2d, BatchNorm2d, in-place ReLU, residual ``+=``),
 nn.TransformerEncoder with dropout, and an MLP with Dropout; and, at world sizes 1 and 2 and with
-accumulation 2, fourteen more Hugging Face models (zoo_models.MORE: BERT, RoBERTa, ALBERT, GPT-2's
-sequence classifier, Qwen2, Gemma, T5, BART, OPT, Falcon, ConvNext, Swin, MobileNetV2 and CLIP's vision tower, each named there
+accumulation 2, fifteen more Hugging Face models (zoo_models.MORE: BERT, RoBERTa, ALBERT, GPT-2's
+sequence classifier, Qwen2, Gemma, T5, BART, OPT, Falcon, BLOOM, ConvNext, Swin, MobileNetV2 and CLIP's vision tower, each named there
 for what it adds). Each configuration is one launch of
 tests/zoo_harness.py (gloo, OMP_NUM_THREADS=1) that fits every model 3 steps (AdamWSR; plain runs take torch AdamW). Rank 0
 records the SHA-256 of every parameter, buffer (BatchNorm's running statistics) and optimizer
@@ -29,8 +29,8 @@ pytest.importorskip("transformers")
 HARNESS = Path(__file__).with_name("zoo_harness.py")
 ROOT = HARNESS.parent.parent
 MODELS = ("gpt2", "llama", "vit", "resnet", "encoder", "mlp_dropout")
-MORE = ("bert", "roberta", "albert", "gpt2_cls", "qwen2", "gemma", "t5", "bart", "opt", "falcon", "convnext", "swin", "mobilenet_v2",
-        "clip_vision")
+MORE = ("bert", "roberta", "albert", "gpt2_cls", "qwen2", "gemma", "t5", "bart", "opt", "falcon", "bloom", "convnext",
+        "swin", "mobilenet_v2", "clip_vision")
 BN_GROUP = 4
 
 

@@ -181,6 +181,9 @@ MORE = {
     # one layer's parameters shared by every layer, factorized embeddings
     "albert": ZooEntry(_hf("AlbertConfig", "AlbertForSequenceClassification", embedding_size=8, num_labels=CLASSES,
                            **_TINY_LM), "tokens_cls", _cls_loss),
+    # ALiBi position biases (slopes from a power, added by baddbmm), fused qkv
+    "bloom": ZooEntry(_hf("BloomConfig", "BloomForCausalLM", vocab_size=VOCAB, hidden_size=16, n_layer=2, n_head=2),
+                      "tokens", _lm_loss),
     # FalconLinear projections, parallel attention and MLP
     "falcon": ZooEntry(_hf("FalconConfig", "FalconForCausalLM", vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2,
                            num_attention_heads=2, max_position_embeddings=16), "tokens", _lm_loss),

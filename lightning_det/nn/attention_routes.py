@@ -15,7 +15,8 @@ import torch
 
 from .matmul import det_matmul, det_softmax
 
-__all__ = ["MATMUL_FUNCS", "SOFTMAX_FUNCS", "matmul_route", "softmax_route", "NOT_ROUTED"]
+__all__ = ["BADDBMM_FUNCS", "MATMUL_FUNCS", "SOFTMAX_FUNCS", "baddbmm_route", "matmul_route", "softmax_route",
+           "NOT_ROUTED"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -24,6 +25,7 @@ NOT_ROUTED = object()
 MATMUL_FUNCS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
                           torch.bmm, torch.Tensor.bmm, torch.mm, torch.Tensor.mm})
 SOFTMAX_FUNCS = frozenset({torch.nn.functional.softmax, torch.softmax, torch.Tensor.softmax})
+BADDBMM_FUNCS = frozenset({torch.baddbmm, torch.Tensor.baddbmm})
 
 
 def _activation(t) -> bool:
@@ -47,6 +49,39 @@ def matmul_route(func, args, kwargs, plans):
     if func in (torch.mm, torch.Tensor.mm) and (a.dim() != 2 or b.dim() != 2):
         return NOT_ROUTED
     return det_matmul(a, b, plans=plans)
+
+
+def _baddbmm_args(input, batch1, batch2, *, beta=1, alpha=1, out=None):
+    return input, batch1, batch2, beta, alpha, out
+
+
+def baddbmm_route(func, args, kwargs, plans):
+    """``beta * input + alpha * (batch1 @ batch2)`` (BLOOM's ALiBi scores) with the product an exact
+    det_matmul rounded once, then ``alpha *`` and ``beta *`` (each skipped where 1) and the sum as
+    separate IEEE operations in the operands' dtype; with ``beta == 0`` the input is ignored, as
+    PyTorch's. NOT_ROUTED where the input needs a gradient (a broadcast add here would sum it over
+    the batch in floating point), for ``out=``, or operands det_matmul does not take."""
+    try:
+        inp, b1, b2, beta, alpha, out = _baddbmm_args(*args, **kwargs)
+    except TypeError:
+        return NOT_ROUTED  # PyTorch's own error message
+    if out is not None or not isinstance(inp, torch.Tensor) or (inp.requires_grad and torch.is_grad_enabled()):
+        return NOT_ROUTED
+    if isinstance(beta, torch.Tensor) or isinstance(alpha, torch.Tensor):
+        return NOT_ROUTED
+    if not (_activation(b1) and _activation(b2)) or b1.dim() != 3 or b2.dim() != 3 or b1.shape[0] != b2.shape[0] \
+            or b1.dtype != b2.dtype or b1.device != b2.device or inp.dtype != b1.dtype or inp.device != b1.device:
+        return NOT_ROUTED
+    try:
+        torch.broadcast_shapes(inp.shape, (b1.shape[0], b1.shape[1], b2.shape[2]))
+    except RuntimeError:
+        return NOT_ROUTED
+    prod = det_matmul(b1, b2, plans=plans)
+    if alpha != 1:
+        prod = prod * alpha
+    if beta == 0:
+        return prod
+    return prod + (inp if beta == 1 else inp * beta)
 
 
 def softmax_route(func, args, kwargs):

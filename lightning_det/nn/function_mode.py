@@ -13,10 +13,11 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .attention import det_scaled_dot_product_attention
-from .attention_routes import MATMUL_FUNCS, NOT_ROUTED, SOFTMAX_FUNCS, matmul_route, softmax_route
+from .attention_routes import (BADDBMM_FUNCS, MATMUL_FUNCS, NOT_ROUTED, SOFTMAX_FUNCS, baddbmm_route, matmul_route,
+                               softmax_route)
 from .broadcast_grads import BROADCAST_FUNCS, call_with_exact_broadcasts
 from .dropout import functional_dropout, sdpa_dropout_key
-from .elementwise_routes import DETMATH_FUNCS, detmath_route
+from .elementwise_routes import DETMATH_FUNCS, POW_FUNCS, detmath_route, pow_route
 from .indexing import INDEX_FUNCS, index_route
 from .reductions import CUMSUM_FUNCS, REDUCTION_FUNCS, cumsum_route, reduction_route
 from .loss import cross_entropy_rows, cross_entropy_unsupported, det_cross_entropy_checked
@@ -30,6 +31,8 @@ def _route_table() -> dict:
     PyTorch's own runs). One lookup per call: this mode sees every torch call of a step."""
     table = {}
     for funcs, route in ((MATMUL_FUNCS, lambda mode, f, a, k: matmul_route(f, a, k, mode._plans())),
+                         (BADDBMM_FUNCS, lambda mode, f, a, k: baddbmm_route(f, a, k, mode._plans())),
+                         (POW_FUNCS, lambda mode, f, a, k: pow_route(f, a, k)),
                          (SOFTMAX_FUNCS, lambda mode, f, a, k: softmax_route(f, a, k)),
                          (DETMATH_FUNCS, lambda mode, f, a, k: detmath_route(f, a, k)),
                          (REDUCTION_FUNCS, lambda mode, f, a, k: reduction_route(f, a, k)),

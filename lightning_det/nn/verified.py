@@ -108,7 +108,7 @@ VERIFIED_MODULES: dict[str, dict] = {
 
 #: PyTorch functions that ``det_function_mode`` (applied by det_ddp around training and
 #: validation steps) sends to a det version. Same keys as above; tests: tests/test_attention.py,
-#: tests/test_fused_attention.py, tests/test_reductions.py, tests/test_indexing.py,
+#: tests/test_fused_attention.py, tests/test_reductions.py, tests/test_indexing.py, tests/test_alibi_routes.py,
 #: tests/test_det_cross_entropy.py, tests/test_keyed_dropout.py. "device" is listed once the CUDA
 #: test has passed on a GPU.
 VERIFIED_FUNCTIONS: dict[str, dict] = {
@@ -121,6 +121,17 @@ VERIFIED_FUNCTIONS: dict[str, dict] = {
     "torch.matmul": {
         "replacement": "det_matmul (also @, torch.bmm, torch.mm; two activations, not a Parameter)",
         "invariances": ["run-to-run", "batch (slices)", "exact sum rounded once"],
+        "verified_on": ["cpu"],
+    },
+    "torch.baddbmm": {
+        "replacement": "det_matmul of batch1 @ batch2, then alpha *, beta * input and + as IEEE operations "
+                       "(also Tensor.baddbmm; an input without a gradient)",
+        "invariances": ["run-to-run", "batch (slices)", "exact sum rounded once"],
+        "verified_on": ["cpu"],
+    },
+    "torch.pow (a float tensor to an integer tensor, no gradient)": {
+        "replacement": "det_pow_int (fp64 binary powering, one rounding; BLOOM's ALiBi slopes)",
+        "invariances": ["run-to-run", "elementwise (position)"],
         "verified_on": ["cpu"],
     },
     "torch.nn.functional.softmax": {
