@@ -195,6 +195,15 @@ inline uint32_t __float_as_uint(float f) {
   std::memcpy(&u, &f, 4);
   return u;
 }
+inline long long __double_as_longlong(double d) {
+  long long u;
+  std::memcpy(&u, &d, 8);
+  return u;
+}
+inline int __ffsll(long long v) { return v == 0 ? 0 : __builtin_ctzll(static_cast<unsigned long long>(v)) + 1; }
+inline int __shfl_xor_sync(unsigned, int v, int off) { return int(::emu::shfl_xor64(static_cast<long long>(v), off)); }
+using std::ldexp;
+using std::min;
 inline float __uint_as_float(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
