@@ -461,8 +461,13 @@ LDET_HD double act_derivative(double x, int kind) {
 }
 
 // Rounds an fp64 value once, to nearest-even, into the format `fmt` (longacc.h OutFormat) and
-// returns it as an fp32 value (exact for bf16/fp16). fp32: the IEEE conversion. bf16/fp16: the
-// exact value goes through the long accumulator's one rounding, so there is no double rounding.
+// returns it as an fp32 value (exact for bf16/fp16). fp32: the IEEE conversion. bf16/fp16: with
+// e = floor(log2|v|) (frexp, exact), the format's quantum at |v| is q = 2^(max(e, emin) - m)
+// (m fraction bits, emin the smallest normal exponent: below it the subnormals' fixed quantum).
+// |v| / q is an exact power-of-two scaling, rint rounds it to an integer once (nearest, ties to
+// even: the default rounding mode on the CPU, rint's definition on CUDA), and times q it is the
+// rounded value, exactly; above the format's largest finite value it is +-inf (IEEE overflow).
+// So there is one rounding and no double rounding, and the same bytes on every CPU and GPU.
 LDET_HD float round_double_fmt(double v, int fmt) {
   if (fmt == kFmtF32) return float(v);
   if (v != v) return float_of(0x7fc00000u);
@@ -470,13 +475,21 @@ LDET_HD float round_double_fmt(double v, int fmt) {
   // Beyond every supported format's range, or below half its smallest subnormal (2^-134 for
   // bf16, 2^-25 for fp16): the rounded value is +-inf or a signed zero.
   if (a >= 0x1p+200) return float_of(v < 0 ? 0xff800000u : 0x7f800000u);
-  if (a < 0x1p-160) return v < 0 ? -0.0f : 0.0f;
-  int64_t acc[LDET_WORDS];
-  zero(acc);
-  add_double(acc, v);  // |v| >= 2^-160: every bit of v is a multiple of 2^-298
-  normalize(acc);
-  const float r = finalize_fmt(acc, fmt);
-  return (r == 0.0f && v < 0) ? -0.0f : r;
+  if (a < 0x1p-160) return float(copysign(0.0, v));  // keeps the sign of -0.0
+  const bool bf16 = fmt == kFmtBF16;
+  const int frac_bits = bf16 ? 7 : 10, emin = bf16 ? -126 : -14;
+  const double largest = bf16 ? 0x1.fep+127 : 65504.0;
+  int e;
+  frexp(a, &e);  // a = f 2^e, f in [0.5, 1)
+  const int qe = (e - 1 > emin ? e - 1 : emin) - frac_bits;  // in [-160 - 10, 200]: normal scalings
+#if defined(__CUDA_ARCH__)
+  double r = rint(ldexp(a, -qe));
+#else
+  double r = std::rint(ldexp(a, -qe));
+#endif
+  r = ldexp(r, qe);
+  if (r > largest) r = INFINITY;
+  return float(copysign(r, v));  // exact: a bf16/fp16 value (or inf) is an fp32 value
 }
 
 // An fp32 value rounded once to `fmt` as PyTorch's .to(dtype) rounds it: round_double_fmt, and a

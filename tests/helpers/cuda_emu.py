@@ -1,7 +1,9 @@
 """Builds and loads the CUDA kernels that run on the CPU under the emulation of
 tests/csrc/cuda_emu.h (cached like the core; ninja rebuilds when a header they include changes):
 tests/csrc/attention_emu.cpp as ``torch.ops.ldet_emu.*`` (the fused attention), and
-tests/csrc/warp_sum_emu.cpp as ``torch.ops.ldet_warp_emu.*`` (the norms' warp row sums)."""
+tests/csrc/warp_sum_emu.cpp as ``torch.ops.ldet_warp_emu.*`` (the norms' warp row sums). Also the
+host build of a host-and-device function that needs no emulation: tests/csrc/round_fmt_check.cpp
+as ``torch.ops.ldet_round_check.*`` (the kernels' rounding into bf16/fp16)."""
 from __future__ import annotations
 
 import hashlib
@@ -38,3 +40,9 @@ def load_warp_sum_emu():
     """``torch.ops.ldet_warp_emu`` after building the emulated warp row sums if needed."""
     _load("ldet_warp_sum_emu", "warp_sum_emu.cpp")
     return torch.ops.ldet_warp_emu
+
+
+def load_round_fmt_check():
+    """``torch.ops.ldet_round_check`` after building round_double_fmt's host check if needed."""
+    _load("ldet_round_fmt_check", "round_fmt_check.cpp")
+    return torch.ops.ldet_round_check
