@@ -12,7 +12,7 @@ and its idle gaps. Then, over the gaps longer than 20 us, the host ops they over
 what the GPU was waiting for. Nested ops are all counted (an aten::zeros and the aten::fill_
 inside it), so the list ranks causes; it does not add up to the idle time. Profiler overhead
 inflates host time: compare the busy time with ddp_step.py's unprofiled step time. Also the
-device time per kernel name per step (25 largest), to see which kernels a change moved.
+device time and launches per kernel name per step (25 largest), to see which kernels a change moved.
 """
 from __future__ import annotations
 
@@ -122,12 +122,14 @@ def analyse(events) -> dict:
                 host[e.name] += overlap
     n = max(1, len(steps))
     # device time per kernel name in the profiled steps: which kernels a change made faster
-    kernels = collections.Counter()
+    kernels, launches = collections.Counter(), collections.Counter()
     for e in events:
         if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in cpu_names and \
                 not e.name.startswith(("Optimizer.", "ProfilerStep")):
             kernels[e.name[:100]] += e.time_range.end - e.time_range.start
-    return {"gpu_kernels_us_per_step": [(k, round(v / n)) for k, v in kernels.most_common(25)], "steps": steps,
+            launches[e.name[:100]] += 1
+    return {"gpu_kernels_us_per_step": [(k, round(v / n), round(launches[k] / n, 1)) for k, v in kernels.most_common(25)],
+            "steps": steps,
             "gpu_busy_us_per_step": sum(s["gpu_busy_us"] for s in steps) / n,
             "gaps_over_20us_per_step": len(big) / n, "idle_in_those_gaps_us_per_step": sum(b - a for a, b in big) / n,
             "host_ops_during_those_gaps_us_per_step": [(k, round(v / n)) for k, v in host.most_common(40)]}
@@ -153,8 +155,8 @@ def main(argv=None):
         res = {**header("cuda"), "width": a.width, "batch": a.batch, "slices_guess": a.slices_guess,
                **analyse(run_profiled(a.width, a.batch, a.slices_guess))}
     print(json.dumps({k: v for k, v in res.items() if not k.endswith("_per_step") or k.startswith("gpu_busy")}))
-    for name, us in res["gpu_kernels_us_per_step"][:15]:
-        print(f"{us:9d} us/step of GPU  {name[:90]}")
+    for name, us, calls in res["gpu_kernels_us_per_step"][:15]:
+        print(f"{us:9d} us/step of GPU in {calls:7.1f} launches  {name[:80]}")
     for name, us in res["host_ops_during_those_gaps_us_per_step"][:30]:
         print(f"{us:9d} us/step  {name[:90]}")
     Path(a.out).write_text(json.dumps(res, indent=1))
