@@ -309,3 +309,72 @@ def test_activation_expanded_along_other_dims_gets_the_exact_sum():
     plain = kv.detach().clone().requires_grad_()
     (plain.expand(2, 2, 5, 3, 4) * up).sum().backward()
     assert not torch.equal(plain.grad, want)  # the float sum rounds on the way
+
+
+# ---- an embedding's output at its own shape (gpt_char: tok(idx) + pos(arange.expand(B, T))) ----
+class _TokPos(nn.Module):
+    def __init__(self, vocab=11, t=5, d=6):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(t, d)
+
+    def forward(self, idx):
+        b, t = idx.shape
+        return self.tok(idx) + self.pos(torch.arange(t).expand(b, t))
+
+
+def _tok_pos_grads(net, idx, w, splits, force_moved=False, monkeypatch=None):
+    import lightning_det.nn.broadcast_grads as bg
+
+    if force_moved:  # the data-movement path: the operand's digits, then added into the rows
+        monkeypatch.setattr(bg, "_det_op_sink", lambda t, state, shape: None)
+    state = StepState()
+    set_grad_digits(net, state)
+    for a, b in splits:
+        with det_function_mode(state=state):
+            out = net(idx[a:b])
+        (out * w[a:b]).sum().backward()
+    assert all(p.grad is None for p in net.parameters()), "a float .grad was written"
+    finalize_grad_digits(state, net.parameters())
+    out = {n: p.grad.clone() for n, p in net.named_parameters()}
+    for p in net.parameters():
+        p.grad = None
+    monkeypatch and monkeypatch.undo()
+    return out
+
+
+def test_embedding_output_at_its_own_shape_scatters_the_full_gradient(monkeypatch):
+    import lightning_det.nn.broadcast_grads as bg
+
+    torch.manual_seed(3)
+    net = det_transform(_TokPos())
+    idx = torch.randint(0, 11, (B, 5), generator=torch.Generator().manual_seed(4))
+    w = gen.wide_exponents((B, 5, 6), -30, 30, torch.float32, 5)  # order-sensitive float sums
+    # both operands take the embedding's own scatter of the full gradient: no (B, T, D, 19)
+    # digits of the operand are made
+    made = []
+    real_to_digits = bg.to_digits
+    monkeypatch.setattr(bg, "to_digits", lambda x: made.append(tuple(x.shape)) or real_to_digits(x))
+    whole = _tok_pos_grads(net, idx, w, WHOLE)
+    assert made == []
+    monkeypatch.undo()
+    for splits in (HALVES, ONES):
+        got = _tok_pos_grads(net, idx, w, splits)
+        for n in whole:
+            assert_bitwise(got[n], whole[n], f"{n} {splits}")
+    # the data-movement path, an independent implementation, gives the same bytes
+    moved = _tok_pos_grads(net, idx, w, WHOLE, force_moved=True, monkeypatch=monkeypatch)
+    for n in whole:
+        assert_bitwise(moved[n], whole[n], f"{n} moved")
+    # control: plain autograd's float sums over the positions depend on the split (a half's sum
+    # is added to the other's, where the whole batch sums the rows one after another)
+    plain = _TokPos()
+    plain.load_state_dict(net.state_dict())
+
+    def plain_grads(splits):
+        for p in plain.parameters():
+            p.grad = None
+        for a, b in splits:
+            (plain(idx[a:b]) * w[a:b]).sum().backward()
+        return torch.cat([p.grad.flatten() for p in plain.parameters()])
+
+    assert not torch.equal(plain_grads(WHOLE), plain_grads(HALVES))

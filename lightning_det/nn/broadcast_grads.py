@@ -20,7 +20,10 @@ exact digits and delivers them, through the step state's ``contribute``, to:
   module's dW. Every such use is routed, broadcast or not, so a parameter used several times
   (twice, or once per micro-batch of one sample) only ever collects digits;
 - the output of a det op whose autograd Function offers ``ldet_broadcast_sink`` (DetEmbedding's
-  row scatter): the op maps the full-shape gradient straight to its parameter's digits.
+  row scatter), broadcast or at its own shape (``tok(idx) + pos(positions)``): the op maps the
+  full-shape gradient straight to its parameter's digits, with no digits of the operand between;
+- any other data movement of a Parameter (lightning_det.nn.movement): the operand's digits,
+  added into the elements they were copied from.
 
 It returns no gradient to the operand, so the Parameter gets no float ``.grad`` and the det op's
 own backward is not called for this use. Each route counts one forward use of its parameter
@@ -318,11 +321,12 @@ def _promote(a: torch.dtype, b: torch.dtype) -> torch.dtype:
 
 def _route(func, t, shape, dtype, reps, state, strict, tensors) -> Optional[torch.Tensor]:
     """``t`` through _ExactBroadcast to ``shape``, or None where the call should use it as it is."""
-    expanded = reps is not None or tuple(t.shape) != tuple(shape)
     sink = None
     if dtype in _FLOATS:
         sink = _param_sink(t)
-        if sink is None and expanded and reps is None:
+        if sink is None and reps is None:
+            # broadcast or not: a det op (DetEmbedding) maps the full gradient straight to its
+            # parameter's digits, without the operand's own (B, T, D, 19) digits in between
             sink = _det_op_sink(t, state, torch.Size(shape))
         if sink is None:  # broadcast or not, as a Parameter's: its every use collects digits
             sink = _moved_sink(t, state)

@@ -34,9 +34,10 @@ class _DetEmbeddingFn(torch.autograd.Function):
 
     @staticmethod
     def ldet_broadcast_sink(node, state, shape):
-        """The output, broadcast to ``shape`` outside the module, takes its full gradient here
+        """The output, broadcast to ``shape`` outside the module or used at its own shape there
+        (``tok(idx) + pos(positions)``), takes its full gradient here
         (lightning_det.nn.broadcast_grads): the indices broadcast the same way, and one exact
-        row scatter gives the weight's digits. Returns ``(weight, grad -> digits)``, or None
+        row scatter gives the weight's digits, with no digits of the output in between. Returns ``(weight, grad -> digits)``, or None
         where the embedding dimension itself is broadcast or the module has another state."""
         weight = node.weight
         (idx,) = node.saved_tensors
