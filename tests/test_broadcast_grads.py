@@ -322,11 +322,7 @@ class _TokPos(nn.Module):
         return self.tok(idx) + self.pos(torch.arange(t).expand(b, t))
 
 
-def _tok_pos_grads(net, idx, w, splits, force_moved=False, monkeypatch=None):
-    import lightning_det.nn.broadcast_grads as bg
-
-    if force_moved:  # the data-movement path: the operand's digits, then added into the rows
-        monkeypatch.setattr(bg, "_det_op_sink", lambda t, state, shape: None)
+def _tok_pos_grads(net, idx, w, splits):
     state = StepState()
     set_grad_digits(net, state)
     for a, b in splits:
@@ -338,7 +334,6 @@ def _tok_pos_grads(net, idx, w, splits, force_moved=False, monkeypatch=None):
     out = {n: p.grad.clone() for n, p in net.named_parameters()}
     for p in net.parameters():
         p.grad = None
-    monkeypatch and monkeypatch.undo()
     return out
 
 
@@ -352,17 +347,18 @@ def test_embedding_output_at_its_own_shape_scatters_the_full_gradient(monkeypatc
     # both operands take the embedding's own scatter of the full gradient: no (B, T, D, 19)
     # digits of the operand are made
     made = []
-    real_to_digits = bg.to_digits
-    monkeypatch.setattr(bg, "to_digits", lambda x: made.append(tuple(x.shape)) or real_to_digits(x))
-    whole = _tok_pos_grads(net, idx, w, WHOLE)
+    with monkeypatch.context() as m:
+        m.setattr(bg, "to_digits", lambda x, real=bg.to_digits: made.append(tuple(x.shape)) or real(x))
+        whole = _tok_pos_grads(net, idx, w, WHOLE)
     assert made == []
-    monkeypatch.undo()
     for splits in (HALVES, ONES):
         got = _tok_pos_grads(net, idx, w, splits)
         for n in whole:
             assert_bitwise(got[n], whole[n], f"{n} {splits}")
     # the data-movement path, an independent implementation, gives the same bytes
-    moved = _tok_pos_grads(net, idx, w, WHOLE, force_moved=True, monkeypatch=monkeypatch)
+    with monkeypatch.context() as m:
+        m.setattr(bg, "_det_op_sink", lambda t, state, shape: None)
+        moved = _tok_pos_grads(net, idx, w, WHOLE)
     for n in whole:
         assert_bitwise(moved[n], whole[n], f"{n} moved")
     # control: plain autograd's float sums over the positions depend on the split (a half's sum

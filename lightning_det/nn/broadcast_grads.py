@@ -324,9 +324,7 @@ def _route(func, t, shape, dtype, reps, state, strict, tensors) -> Optional[torc
     sink = None
     if dtype in _FLOATS:
         sink = _param_sink(t)
-        if sink is None and reps is None:
-            # broadcast or not: a det op (DetEmbedding) maps the full gradient straight to its
-            # parameter's digits, without the operand's own (B, T, D, 19) digits in between
+        if sink is None and reps is None:  # broadcast or not (see the module's docstring)
             sink = _det_op_sink(t, state, torch.Size(shape))
         if sink is None:  # broadcast or not, as a Parameter's: its every use collects digits
             sink = _moved_sink(t, state)

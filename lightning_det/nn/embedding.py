@@ -37,8 +37,9 @@ class _DetEmbeddingFn(torch.autograd.Function):
         """The output, broadcast to ``shape`` outside the module or used at its own shape there
         (``tok(idx) + pos(positions)``), takes its full gradient here
         (lightning_det.nn.broadcast_grads): the indices broadcast the same way, and one exact
-        row scatter gives the weight's digits, with no digits of the output in between. Returns ``(weight, grad -> digits)``, or None
-        where the embedding dimension itself is broadcast or the module has another state."""
+        row scatter gives the weight's digits, with no digits of the output in between. Returns
+        ``(weight, grad -> digits)``, or None where the embedding dimension itself is broadcast
+        or the module has another state."""
         weight = node.weight
         (idx,) = node.saved_tensors
         if node.state is not state or not node.needs_input_grad[1] or len(shape) < idx.dim() + 1 \
