@@ -1,7 +1,7 @@
 """The one rounding of the fused norm, cross-entropy and activation kernels into bf16 / fp16
 (round_double_fmt, csrc/detmath.h; the CPU and CUDA kernels compile the same source): equal, bit
-for bit, to the long accumulator's rounding of the same value (the reference, which the kernels
-used before), on values that stress it: ties in the normal and subnormal ranges, the overflow
+for bit, to the long accumulator's rounding of the same value (the reference, an independent
+way to the same rounding), on values that stress it: ties in the normal and subnormal ranges, the overflow
 boundary, the smallest subnormals, signed zeros, specials and wide random exponents. And for fp32
 values, equal to PyTorch's own ``.to(dtype)``."""
 import math

@@ -1,8 +1,8 @@
 // round_double_fmt (csrc/detmath.h), the one rounding of the fused norm, cross-entropy and
 // activation kernels into bf16/fp16, built for the host (the same source the CUDA kernels compile:
 // LDET_HD), as op ldet_round_check::round_fmt. With digits=true, the reference instead: the value
-// into a long accumulator and finalize_fmt's one rounding of it (longacc.h), which the kernels used
-// before. tests/test_round_fmt.py compares the two.
+// into a long accumulator and finalize_fmt's one rounding of it (longacc.h), an independent way to
+// the same rounding. tests/test_round_fmt.py compares the two.
 #include <ATen/ATen.h>
 #include <cmath>
 #include <torch/library.h>
