@@ -319,7 +319,7 @@ class _TokPos(nn.Module):
 
     def forward(self, idx):
         b, t = idx.shape
-        return self.tok(idx) + self.pos(torch.arange(t).expand(b, t))
+        return self.tok(idx) + self.pos(torch.arange(t, device=idx.device).expand(b, t))
 
 
 def _tok_pos_grads(net, idx, w, splits):
@@ -374,3 +374,73 @@ def test_embedding_output_at_its_own_shape_scatters_the_full_gradient(monkeypatc
         return torch.cat([p.grad.flatten() for p in plain.parameters()])
 
     assert not torch.equal(plain_grads(WHOLE), plain_grads(HALVES))
+
+
+class _TokPosTwice(_TokPos):
+    """The token embedding's output also used outside a route: its own backward runs too."""
+
+    def forward(self, idx):
+        b, t = idx.shape
+        e = self.tok(idx)
+        return e + self.pos(torch.arange(t, device=idx.device).expand(b, t)) + torch.tanh(e)
+
+
+def _tok_pos_eager_grads(net, idx, w):
+    state = StepState()
+    set_grad_digits(net, state)
+    with state.eager_rounding():
+        with det_function_mode(state=state):
+            out = net(idx)
+        (out * w).sum().backward()
+    finalize_grad_digits(state, net.parameters())
+    out = {n: p.grad.clone() for n, p in net.named_parameters()}
+    for p in net.parameters():
+        p.grad = None
+    return out
+
+
+@pytest.mark.parametrize("model", [_TokPos, _TokPosTwice])
+def test_embedding_routes_round_eagerly_without_the_vocabulary_digits(monkeypatch, model):
+    import lightning_det.nn.embedding as emb
+
+    vocab = 64  # more rows than the 40 positions: only the occurring rows get digits
+    torch.manual_seed(5)
+    net = det_transform(model(vocab=vocab))
+    idx = torch.randint(0, 13, (B, 5), generator=torch.Generator().manual_seed(6)) * 4  # rows 0, 4, .., 48
+    w = gen.wide_exponents((B, 5, 6), -30, 30, torch.float32, 7)
+    digits = _tok_pos_grads(net, idx, w, WHOLE)
+    halves = _tok_pos_grads(net, idx, w, HALVES)
+    rows, own_backward = [], []
+    real_backward = emb._DetEmbeddingFn.backward
+    with monkeypatch.context() as m:
+        m.setattr(emb, "scatter_sum_digits", lambda a, i, n, real=emb.scatter_sum_digits: rows.append(n) or real(a, i, n))
+        m.setattr(emb._DetEmbeddingFn, "backward",
+                  staticmethod(lambda ctx, gy: own_backward.append(1) or real_backward(ctx, gy)))
+        eager = _tok_pos_eager_grads(net, idx, w)
+    for n in digits:
+        assert_bitwise(eager[n], digits[n], f"{n}: eager vs digits")
+        assert_bitwise(halves[n], digits[n], f"{n}: halves vs whole")
+    if model is _TokPos:
+        # rounded at once from the 40 positions' segment sums: no (64, 6, 19) digits
+        assert own_backward == [] and vocab not in rows and B * 5 in rows
+    else:
+        # the output's other use runs the embedding's own backward: two contributions, digits
+        assert own_backward == [1] and vocab in rows
+    # the rows that never occur are +0.0, as the digit path's
+    untouched = torch.ones(vocab, dtype=torch.bool)
+    untouched[idx.unique()] = False
+    g = eager["tok.weight"][untouched]
+    assert torch.equal(g, torch.zeros_like(g)) and not torch.signbit(g).any()
+
+
+@cuda
+@pytest.mark.parametrize("model", [_TokPos, _TokPosTwice])
+def test_embedding_routes_round_eagerly_to_the_cpu_bytes_on_cuda(model):
+    torch.manual_seed(5)
+    net = det_transform(model(vocab=64))
+    idx = torch.randint(0, 13, (B, 5), generator=torch.Generator().manual_seed(6)) * 4
+    w = gen.wide_exponents((B, 5, 6), -30, 30, torch.float32, 7)
+    cpu = _tok_pos_eager_grads(net, idx, w)
+    got = _tok_pos_eager_grads(net.cuda(), idx.cuda(), w.cuda())
+    for n in cpu:
+        assert_bitwise(got[n].cpu(), cpu[n], f"{n}: cuda vs cpu")

@@ -27,9 +27,10 @@ exact digits and delivers them, through the step state's ``contribute``, to:
 
 It returns no gradient to the operand, so the Parameter gets no float ``.grad`` and the det op's
 own backward is not called for this use. Each route counts one forward use of its parameter
-(:meth:`StepState.note_forward_use`), so eager rounding stays correct; the count of a det op's
-output that is only ever used through a route is one too many, which keeps that parameter on
-digits (safe, as every over-count).
+(:meth:`StepState.note_forward_use`), so eager rounding stays correct. A det op's output has its
+op's count too: where the backward does not run the op's own node (every use of the output was
+routed), the route takes that count back first, so ``tok(idx) + pos(positions)`` rounds each
+embedding's gradient at once under eager rounding, with no digits of the whole vocabulary.
 
 A tensor that requires grad, has no such destination, and is broadcast across dimension 0 of the
 result (the batch dimension, batch-first) cannot be kept exact: strict mode raises
@@ -133,10 +134,16 @@ def _reduce_repeat(grad: torch.Tensor, reps: Tuple[int, ...], shape: Tuple[int, 
 # ---- destinations ----------------------------------------------------------------------------
 class _Sink:
     """Where one routed operand's digits go: ``param`` and a map from the operand's exact digits
-    (or, for a det op, from the full-shape gradient) to the parameter's digits."""
+    (or, for a det op, from the full-shape gradient) to the parameter's digits.
 
-    def __init__(self, param: nn.Parameter, to_param: Callable[[torch.Tensor], LongAcc], takes_full: bool):
+    A det op's sink also has ``to_rounded`` (full-shape gradient -> the parameter's gradient
+    rounded once, for eager rounding) and ``op_node``, the op's own autograd node, whose counted
+    forward use gives no contribution when the node does not run in the backward."""
+
+    def __init__(self, param: nn.Parameter, to_param: Callable[[torch.Tensor], LongAcc], takes_full: bool,
+                 to_rounded: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, op_node=None):
         self.param, self.to_param, self.takes_full = param, to_param, takes_full
+        self.to_rounded, self.op_node = to_rounded, op_node
 
 
 def _param_sink(t: torch.Tensor) -> Optional[_Sink]:
@@ -182,8 +189,8 @@ def _det_op_sink(t: torch.Tensor, state: StepState, result_shape: torch.Size) ->
     found = hook(fn, state, result_shape)
     if found is None:
         return None
-    param, full_grad_to_digits = found
-    return _Sink(param, full_grad_to_digits, True)
+    param, full_grad_to_digits, full_grad_to_rounded = found
+    return _Sink(param, full_grad_to_digits, True, full_grad_to_rounded, fn)
 
 
 def _moved_sink(t: torch.Tensor, state: StepState) -> Optional[_Sink]:
@@ -220,8 +227,18 @@ class _ExactBroadcast(torch.autograd.Function):
             return sink.to_param(acc)
 
         def rounded() -> torch.Tensor:
+            if sink.to_rounded is not None:
+                return sink.to_rounded(grad)
             return det_finalize(digits(), p.dtype if p.dtype in _FLOATS else torch.float32)
 
+        node = sink.op_node
+        if node is not None and not getattr(node, "ldet_use_forgotten", False) \
+                and not torch._C._will_engine_execute_node(node):
+            # The det op's output is used only through routes in this backward: the use its own
+            # forward counted brings no contribution (once per op call), so a single route can
+            # round eagerly.
+            node.ldet_use_forgotten = True
+            ctx.state.forget_forward_use(p)
         ctx.state.contribute(p, digits, rounded)
         return None, None, None, None, None, None, None
 

@@ -37,9 +37,9 @@ class _DetEmbeddingFn(torch.autograd.Function):
         """The output, broadcast to ``shape`` outside the module or used at its own shape there
         (``tok(idx) + pos(positions)``), takes its full gradient here
         (lightning_det.nn.broadcast_grads): the indices broadcast the same way, and one exact
-        row scatter gives the weight's digits, with no digits of the output in between. Returns
-        ``(weight, grad -> digits)``, or None where the embedding dimension itself is broadcast
-        or the module has another state."""
+        row scatter gives the weight's gradient, with no digits of the output in between.
+        Returns ``(weight, grad -> digits, grad -> rounded gradient)``, or None where the
+        embedding dimension itself is broadcast or the module has another state."""
         weight = node.weight
         (idx,) = node.saved_tensors
         if node.state is not state or not node.needs_input_grad[1] or len(shape) < idx.dim() + 1 \
@@ -51,19 +51,21 @@ class _DetEmbeddingFn(torch.autograd.Function):
         idx_b = idx.reshape(ones + tuple(idx.shape)).expand(lead).reshape(-1).long()
         bad_b = None if bad is None else bad.reshape(ones + tuple(bad.shape)).expand(lead).reshape(-1, 1)
 
-        @trusted_fn
-        def digits(grad):
+        def rows(grad):
             g = grad.reshape(-1, weight.shape[1])
             if bad_b is not None:
                 g = g.masked_fill(bad_b, 0)
-            if g.dtype not in _FLOATS:
-                g = g.float()
-            acc = scatter_sum_digits(g.contiguous(), idx_b, weight.shape[0])
-            if pad is not None:
-                acc[pad] = 0
-            return acc
+            return (g if g.dtype in _FLOATS else g.float()).contiguous()
 
-        return weight, digits
+        @trusted_fn
+        def digits(grad):
+            return _row_sum_digits(rows(grad), idx_b, weight.shape[0], pad)
+
+        @trusted_fn
+        def rounded(grad):
+            return _rounded_row_sums(rows(grad), idx_b, weight, pad)
+
+        return weight, digits, rounded
 
     @staticmethod
     @trusted_fn
@@ -78,38 +80,61 @@ class _DetEmbeddingFn(torch.autograd.Function):
         gy2 = gy.reshape(idx1.shape[0], weight.shape[1])
         if gy2.dtype not in _FLOATS:
             gy2 = gy2.float()
-        out_dtype = weight.dtype if weight.dtype in _FLOATS else torch.float32
-        pad = ctx.padding_idx
+        pad, idx1 = ctx.padding_idx, idx1.long()
 
         def rounded() -> torch.Tensor:
-            n_rows = weight.shape[0]
-            if n_rows <= idx1.shape[0]:
-                # Every vocabulary row's digits: a (V, D, 19) temporary no larger than the one the
-                # occurring rows could need (at most min(V, positions) of them), and no host
-                # synchronization (torch.unique's output size is data-dependent: on a GPU it waits
-                # for the whole backward queued so far). Rows that never occur sum to +0.0.
-                gw = det_finalize(scatter_sum_digits(gy2, idx1.long(), n_rows), out_dtype)
-            else:
-                # Fewer positions than vocabulary rows: only the rows that occur (a (V, D, 19)
-                # temporary would be 152x the weight's size), at the cost of that synchronization.
-                uniq, inv = torch.unique(idx1, return_inverse=True)
-                rows = det_finalize(scatter_sum_digits(gy2, inv, uniq.shape[0]), out_dtype)
-                gw = torch.zeros(weight.shape, dtype=out_dtype, device=weight.device)
-                gw[uniq] = rows
-            if pad is not None:
-                gw[pad] = 0  # PyTorch semantics: the padding row gets no gradient
-            return gw
+            return _rounded_row_sums(gy2, idx1, weight, pad)
 
         def digits() -> torch.Tensor:
-            acc = scatter_sum_digits(gy2, idx1.long(), weight.shape[0])
-            if pad is not None:
-                acc[pad] = 0
-            return acc
+            return _row_sum_digits(gy2, idx1, weight.shape[0], pad)
 
         if ctx.state is not None:
             ctx.state.contribute(weight, digits, rounded)
             return None, None, None, None, None
         return None, rounded(), None, None, None
+
+
+def _row_sum_digits(g: torch.Tensor, idx: torch.Tensor, n_rows: int, pad: Optional[int]) -> torch.Tensor:
+    """The weight gradient's digits (n_rows, D, 19): row v is the exact sum of the rows of ``g``
+    whose index is v; the padding row is zero."""
+    acc = scatter_sum_digits(g, idx, n_rows)
+    if pad is not None:
+        acc[pad] = 0
+    return acc
+
+
+def _rounded_row_sums(g: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, pad: Optional[int]) -> torch.Tensor:
+    """The same sums rounded once to the weight's dtype (float32 for other dtypes); rows that
+    never occur, and the padding row, are +0.0.
+
+    With fewer positions than vocabulary rows, only the rows that occur get digits: positions
+    are sorted, each run of equal indices is one segment, and the (positions, D, 19) segment sums
+    are rounded and copied to their rows. Every vocabulary row's digits would be a temporary of
+    152 bytes per weight element (3.8 GB for a 32768 x 768 embedding). The segment count is
+    data-dependent but never read on the host: segments past the last go to a spare row that is
+    dropped, so no step waits for the device here."""
+    n_rows, width = weight.shape
+    out_dtype = weight.dtype if weight.dtype in _FLOATS else torch.float32
+    n = idx.shape[0]
+    if n_rows <= n:  # every row's digits: no larger than the segments' would be
+        gw = det_finalize(scatter_sum_digits(g, idx, n_rows), out_dtype)
+    else:
+        sorted_idx, order = torch.sort(idx)
+        starts = torch.ones_like(sorted_idx, dtype=torch.bool)
+        torch.ne(sorted_idx[1:], sorted_idx[:-1], out=starts[1:])
+        seg_sorted = torch.cumsum(starts, 0) - 1  # segment of each sorted position
+        seg = torch.empty_like(seg_sorted).scatter_(0, order, seg_sorted)  # ... of each position
+        # row of each segment, written once by its first position; the rest write the spare slot
+        row_of = torch.full((n + 1,), n_rows, dtype=torch.long, device=idx.device)
+        row_of.scatter_(0, torch.where(starts, seg_sorted, n), sorted_idx)
+        sums = det_finalize(scatter_sum_digits(g, seg, n), out_dtype)
+        # unused segments sum to +0.0 and all land on the spare row n_rows
+        full = torch.zeros((n_rows + 1, width), dtype=out_dtype, device=g.device)
+        full.index_copy_(0, row_of[:n], sums)
+        gw = full[:n_rows]
+    if pad is not None:
+        gw[pad] = 0  # PyTorch semantics: the padding row gets no gradient
+    return gw
 
 
 class DetEmbedding(nn.Embedding):

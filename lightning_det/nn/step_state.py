@@ -132,6 +132,14 @@ class StepState:
                 else:
                     entry[1] += 1
 
+    def forget_forward_use(self, param: torch.Tensor) -> None:
+        """One counted use of ``param`` will bring no contribution (a det op whose output was
+        used only through routes, lightning_det.nn.broadcast_grads): its count goes down by one,
+        never below zero."""
+        entry = self._uses.get(id(param))
+        if entry is not None and entry[0] is param and entry[1] > 0:
+            entry[1] -= 1
+
     def clear_forward_uses(self) -> None:
         """Forgets the counts (their backward is done; leftovers were over-counts)."""
         self._uses.clear()
