@@ -3,6 +3,8 @@
 
 #include <ATen/ATen.h>
 
+#include <vector>
+
 #include "hash.h"
 
 namespace ldet {
@@ -15,6 +17,24 @@ inline int64_t digest_check_input(const at::Tensor& self) {
               "ldet::digest_chunks: `self` must be contiguous (call .contiguous() first); got strides ",
               self.strides());
   return self.numel() * static_cast<int64_t>(self.element_size());
+}
+
+// Checks of digest_chunks_many's list (each tensor as above, all on the first one's device);
+// returns each tensor's byte count.
+inline std::vector<int64_t> digest_check_many(at::TensorList tensors) {
+  std::vector<int64_t> nbytes;
+  nbytes.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    TORCH_CHECK(t.device() == tensors[0].device(), "ldet::digest_chunks_many: tensors[", i, "] is on ",
+                t.device(), ", expected ", tensors[0].device(), " like tensors[0]");
+    TORCH_CHECK(t.layout() == at::kStrided, "ldet::digest_chunks_many: tensors[", i,
+                "] must be a strided (dense) tensor, got layout ", t.layout());
+    TORCH_CHECK(t.is_contiguous(), "ldet::digest_chunks_many: tensors[", i,
+                "] must be contiguous (call .contiguous() first); got strides ", t.strides());
+    nbytes.push_back(t.numel() * static_cast<int64_t>(t.element_size()));
+  }
+  return nbytes;
 }
 
 }  // namespace ldet

@@ -145,3 +145,51 @@ def test_lower_layers_work_without_lightning():
             "assert det_gemm(torch.ones(2, 3), torch.ones(4, 3)).sum().item() == 24.0\n"
             "assert lightning_det.digest.tensor_digest(torch.ones(3))")
     subprocess.run([sys.executable, "-c", code], check=True, env=clean_env(), timeout=300)
+
+
+def _many_cases():
+    u = torch.arange(100, dtype=torch.uint8)
+    return CASES + [u[3:90], torch.randn(5 * 4096, generator=torch.Generator().manual_seed(9)), torch.empty(0)]
+
+
+def test_chunks_many_is_the_concatenation_of_each_tensors_chunks():
+    ts = _many_cases()  # empty tensors first, between and last; a misaligned slice
+    want = torch.cat([torch.ops.ldet.digest_chunks(t.contiguous()) for t in ts])
+    got = torch.ops.ldet.digest_chunks_many([t.contiguous() for t in ts])
+    assert torch.equal(got, want)
+    assert torch.equal(torch.ops.ldet.digest_chunks_many([torch.empty(0), torch.empty(0, 3)]),
+                       torch.empty(0, dtype=torch.long))
+    # the control: the same bytes hashed as one buffer give other chunks (word indices and chunk
+    # boundaries are each tensor's own)
+    a, b = ts[0].reshape(-1), ts[1]
+    assert not torch.equal(torch.ops.ldet.digest_chunks_many([a, b]), torch.ops.ldet.digest_chunks(torch.cat([a, b])))
+
+
+def test_digest_many_of_many_tensors_matches_the_reference():
+    ts = _many_cases() + [torch.randn(3, 5, generator=torch.Generator().manual_seed(k)).t() for k in range(40)]
+    assert digest_many(ts) == [ref_digest(t) for t in ts]
+
+
+@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
+                    reason="C++ exceptions from extension ops crash the process under torch < 2.13")
+def test_chunks_many_argument_checks_name_the_tensor():
+    with pytest.raises(RuntimeError, match=r"tensors\[1\] must be contiguous"):
+        torch.ops.ldet.digest_chunks_many([torch.randn(3), torch.randn(3, 4).t()])
+    from lightning_det.ops.digest import digest_chunks_many
+
+    with pytest.raises(ValueError, match="tensors: expected at least one tensor"):
+        digest_chunks_many([])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_chunks_many_equal_cpu():
+    ts = _many_cases() + [torch.randn(1 << 20, generator=torch.Generator().manual_seed(10))]
+    u = torch.arange(100, dtype=torch.uint8).cuda()
+    dev = [t.cuda().contiguous() for t in ts] + [u[3:90], u[1:2]]  # device pointers misaligned
+    cpu = [t.contiguous() for t in ts] + [u.cpu()[3:90], u.cpu()[1:2]]
+    got = torch.ops.ldet.digest_chunks_many(dev)
+    assert torch.equal(got.cpu(), torch.ops.ldet.digest_chunks_many(cpu))
+    assert digest_many(dev) == [ref_digest(t) for t in cpu]
+    with pytest.raises(RuntimeError, match=r"tensors\[1\] is on cpu"):
+        torch.ops.ldet.digest_chunks_many([dev[0], cpu[0]])

@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 
 from .. import _build
-from ..ops.digest import digest_chunks
+from ..ops.digest import CHUNK_BYTES, digest_chunks_many
 from .reference import digest_from_chunks
 
 __all__ = ["dtype_name", "tensor_digest", "digest_many", "digest_many_async", "PendingDigests", "hash_object"]
@@ -25,8 +25,13 @@ def _prepare(t: torch.Tensor) -> torch.Tensor:
     if t.layout != torch.strided:
         raise TypeError(f"digest: only dense (strided) tensors are supported, got layout {t.layout}")
     # Digest the values the tensor shows, not a lazily conjugated/negated view of other bytes.
-    t = t.detach().resolve_conj().resolve_neg()
-    return t.contiguous()
+    # Each step only where needed: a step's digests take hundreds of tensors, on the host.
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t if t.is_contiguous() else t.contiguous()
 
 
 class PendingDigests:
@@ -64,8 +69,9 @@ class PendingDigests:
 def digest_many_async(tensors: Sequence[torch.Tensor]) -> PendingDigests:
     """Start the digests of several tensors without waiting for their devices.
 
-    Each tensor is hashed on its own device; per device, the short chunk-hash lists (8 bytes per
-    16 KiB) are concatenated and copied to pinned host memory asynchronously. Call
+    Each tensor is hashed on its own device, all of a device's tensors in one pass; per device,
+    the short chunk-hash lists (8 bytes per 16 KiB) are copied to pinned host memory
+    asynchronously. Call
     ``.result()`` for the hex digests. Tensors may be modified after this returns only in
     stream order (as the optimizer's next step is), since the kernels read them later.
     """
@@ -83,14 +89,14 @@ def digest_many_async(tensors: Sequence[torch.Tensor]) -> PendingDigests:
             "deliberately never copied to the host."
         )
     meta = [(dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for t in prepared]
-    chunks = [digest_chunks(t) for t in prepared]
     by_dev: dict = {}
-    for i, c in enumerate(chunks):
-        by_dev.setdefault(c.device, []).append(i)
+    for i, t in enumerate(prepared):
+        by_dev.setdefault(t.device, []).append(i)
     parts = []
     for dev, idx in by_dev.items():
-        sizes = [chunks[i].numel() for i in idx]
-        flat = torch.cat([chunks[i] for i in idx]) if len(idx) > 1 else chunks[idx[0]]
+        sizes = [-(-meta[i][2] // CHUNK_BYTES) for i in idx]
+        # one pass (one launch on CUDA) over every tensor of the device
+        flat = digest_chunks_many([prepared[i] for i in idx])
         if dev.type == "cuda":
             host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
             host.copy_(flat, non_blocking=True)

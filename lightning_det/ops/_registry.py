@@ -157,6 +157,11 @@ def _register_digest(lib: str) -> None:
         nbytes = self.numel() * self.element_size()
         return self.new_empty(((nbytes + CHUNK_BYTES - 1) // CHUNK_BYTES,), dtype=torch.long)
 
+    @torch.library.register_fake(lib + "digest_chunks_many")
+    def _(tensors):  # noqa: ANN001 - torch.library signature
+        total = sum((t.numel() * t.element_size() + CHUNK_BYTES - 1) // CHUNK_BYTES for t in tensors)
+        return tensors[0].new_empty((total,), dtype=torch.long)
+
 
 def _check_layout() -> None:
     layout = list(torch.ops.ldet.layout())
