@@ -191,5 +191,12 @@ def test_cuda_chunks_many_equal_cpu():
     got = torch.ops.ldet.digest_chunks_many(dev)
     assert torch.equal(got.cpu(), torch.ops.ldet.digest_chunks_many(cpu))
     assert digest_many(dev) == [ref_digest(t) for t in cpu]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
+                    reason="C++ exceptions from extension ops crash the process under torch < 2.13")
+def test_cuda_chunks_many_names_a_tensor_on_another_device():
     with pytest.raises(RuntimeError, match=r"tensors\[1\] is on cpu"):
-        torch.ops.ldet.digest_chunks_many([dev[0], cpu[0]])
+        torch.ops.ldet.digest_chunks_many([torch.zeros(3, device="cuda"), torch.zeros(3)])
