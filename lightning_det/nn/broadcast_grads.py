@@ -58,6 +58,10 @@ __all__ = ["BROADCAST_FUNCS", "BroadcastGradError", "call_with_exact_broadcasts"
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _T = torch.Tensor
+# Whether the running backward will execute an autograd node (the test behind
+# torch.autograd.graph.register_multi_grad_hook). Without it, a routed det op's count stays: its
+# parameter keeps its digits, which is always safe.
+_will_execute = getattr(torch._C, "_will_engine_execute_node", None)
 
 #: Elementwise functions whose tensor arguments broadcast against each other (torch functions,
 #: Tensor methods and operators). In-place forms broadcast their other arguments into ``self``.
@@ -232,8 +236,8 @@ class _ExactBroadcast(torch.autograd.Function):
             return det_finalize(digits(), p.dtype if p.dtype in _FLOATS else torch.float32)
 
         node = sink.op_node
-        if node is not None and not getattr(node, "ldet_use_forgotten", False) \
-                and not torch._C._will_engine_execute_node(node):
+        if node is not None and _will_execute is not None and not getattr(node, "ldet_use_forgotten", False) \
+                and not _will_execute(node):
             # The det op's output is used only through routes in this backward: the use its own
             # forward counted brings no contribution (once per op call), so a single route can
             # round eagerly.
