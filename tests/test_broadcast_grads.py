@@ -444,3 +444,61 @@ def test_embedding_routes_round_eagerly_to_the_cpu_bytes_on_cuda(model):
     got = _tok_pos_eager_grads(net.cuda(), idx.cuda(), w.cuda())
     for n in cpu:
         assert_bitwise(got[n].cpu(), cpu[n], f"{n}: cuda vs cpu")
+
+
+class _TiedTokPos(_TokPos):
+    """Hugging Face GPT-2's tying: the head's weight is the token embedding's, so that weight gets
+    two contributions (the head's dW, then the embedding's rows) and keeps digits."""
+
+    def __init__(self, vocab=64, t=5, d=6):
+        super().__init__(vocab, t, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx):
+        return self.head(super().forward(idx))
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_tied_embedding_rows_add_into_the_heads_digits(monkeypatch, eager):
+    import lightning_det.nn.embedding as emb
+
+    vocab = 64
+    torch.manual_seed(8)
+    net = det_transform(_TiedTokPos(vocab=vocab))
+    idx = torch.randint(0, 13, (B, 5), generator=torch.Generator().manual_seed(9)) * 4
+    w = gen.wide_exponents((B, 5, vocab), -30, 30, torch.float32, 10)
+    rows = []
+    with monkeypatch.context() as m:
+        m.setattr(emb, "scatter_sum_digits", lambda a, i, n, real=emb.scatter_sum_digits: rows.append(n) or real(a, i, n))
+        got = _tok_pos_eager_grads(net, idx, w) if eager else _tok_pos_grads(net, idx, w, HALVES)
+    # the embedding's rows went into the head's digits: segments of a micro-batch's positions
+    # (40, or 20 in halves), no (64, 6, 19)
+    assert vocab not in rows and (B * 5 if eager else B * 5 // 2) in rows
+    # the same bytes as adding a full (64, 6, 19) contribution (the contribution without add_into)
+    real_contribute = StepState.contribute
+    with monkeypatch.context() as m:
+        m.setattr(StepState, "contribute", lambda self, p, d, r, add_into=None: real_contribute(self, p, d, r))
+        full = _tok_pos_grads(net, idx, w, WHOLE)
+    for n in full:
+        assert_bitwise(got[n], full[n], f"{n}: rows added vs full digits")
+
+
+@pytest.mark.parametrize("pad", [None, 7])
+def test_row_sums_added_in_place_equal_the_full_digits(pad):
+    from lightning_det.nn.embedding import _add_row_sums, _row_sum_digits
+    from lightning_det.ops import det_normalize, scatter_sum_digits
+
+    vocab, n = 50, 30  # fewer positions than rows: the segment path
+    gen_idx = torch.Generator().manual_seed(11)
+    idx = torch.randint(0, 10, (n,), generator=gen_idx) * 5 + 2  # rows 2, 7 (the padding row), ...
+    idx[:3] = torch.tensor([7, 0, 49])
+    g = gen.wide_exponents((n, 4), -40, 40, torch.float32, 12)
+    prev = scatter_sum_digits(gen.wide_exponents((vocab, 4), -40, 40, torch.float32, 13), torch.arange(vocab), vocab)
+    acc = prev.clone()
+    _add_row_sums(acc, g, idx, pad)
+    want = det_normalize(prev + _row_sum_digits(g, idx, vocab, pad))
+    assert torch.equal(det_normalize(acc), want)
+    if pad is not None:
+        assert torch.equal(det_normalize(acc)[pad], prev[pad])  # the padding row got nothing
+    assert not torch.equal(det_normalize(acc), prev)

@@ -38,8 +38,9 @@ class _DetEmbeddingFn(torch.autograd.Function):
         (``tok(idx) + pos(positions)``), takes its full gradient here
         (lightning_det.nn.broadcast_grads): the indices broadcast the same way, and one exact
         row scatter gives the weight's gradient, with no digits of the output in between.
-        Returns ``(weight, grad -> digits, grad -> rounded gradient)``, or None where the
-        embedding dimension itself is broadcast or the module has another state."""
+        Returns ``(weight, grad -> digits, grad -> rounded gradient, grad -> (digits -> None))``
+        (the last adds the gradient's row sums into the weight's pending digits in place), or
+        None where the embedding dimension itself is broadcast or the module has another state."""
         weight = node.weight
         (idx,) = node.saved_tensors
         if node.state is not state or not node.needs_input_grad[1] or len(shape) < idx.dim() + 1 \
@@ -65,7 +66,10 @@ class _DetEmbeddingFn(torch.autograd.Function):
         def rounded(grad):
             return _rounded_row_sums(rows(grad), idx_b, weight, pad)
 
-        return weight, digits, rounded
+        def add_into(grad):
+            return trusted_fn(lambda acc: _add_row_sums(acc, rows(grad), idx_b, pad))
+
+        return weight, digits, rounded, add_into
 
     @staticmethod
     @trusted_fn
@@ -88,8 +92,11 @@ class _DetEmbeddingFn(torch.autograd.Function):
         def digits() -> torch.Tensor:
             return _row_sum_digits(gy2, idx1, weight.shape[0], pad)
 
+        def add_into(acc: torch.Tensor) -> None:
+            _add_row_sums(acc, gy2, idx1, pad)
+
         if ctx.state is not None:
-            ctx.state.contribute(weight, digits, rounded)
+            ctx.state.contribute(weight, digits, rounded, add_into)
             return None, None, None, None, None
         return None, rounded(), None, None, None
 
@@ -103,39 +110,62 @@ def _row_sum_digits(g: torch.Tensor, idx: torch.Tensor, n_rows: int, pad: Option
     return acc
 
 
+def _segments(idx: torch.Tensor, n_rows: int):
+    """The occurring rows of ``idx`` (n,) as segments, with no host synchronization: ``(seg, row)``
+    where position p belongs to segment ``seg[p]`` and segment s holds index ``row[s]``. There are
+    n segments; those past the last occurring index hold no position and have ``row = n_rows``."""
+    n = idx.shape[0]
+    sorted_idx, order = torch.sort(idx)
+    starts = torch.ones_like(sorted_idx, dtype=torch.bool)
+    torch.ne(sorted_idx[1:], sorted_idx[:-1], out=starts[1:])
+    seg_sorted = torch.cumsum(starts, 0) - 1  # segment of each sorted position
+    seg = torch.empty_like(seg_sorted).scatter_(0, order, seg_sorted)  # ... of each position
+    # row of each segment, written once by its first position; the rest write a spare slot
+    row = torch.full((n + 1,), n_rows, dtype=torch.long, device=idx.device)
+    row.scatter_(0, torch.where(starts, seg_sorted, n), sorted_idx)
+    return seg, row[:n]
+
+
 def _rounded_row_sums(g: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, pad: Optional[int]) -> torch.Tensor:
     """The same sums rounded once to the weight's dtype (float32 for other dtypes); rows that
     never occur, and the padding row, are +0.0.
 
-    With fewer positions than vocabulary rows, only the rows that occur get digits: positions
-    are sorted, each run of equal indices is one segment, and the (positions, D, 19) segment sums
-    are rounded and copied to their rows. Every vocabulary row's digits would be a temporary of
-    152 bytes per weight element (3.8 GB for a 32768 x 768 embedding). The segment count is
-    data-dependent but never read on the host: segments past the last go to a spare row that is
-    dropped, so no step waits for the device here."""
+    With fewer positions than vocabulary rows, only the rows that occur get digits
+    (:func:`_segments`): the (positions, D, 19) segment sums are rounded and copied to their rows.
+    Every vocabulary row's digits would be a temporary of 152 bytes per weight element (3.8 GB
+    for a 32768 x 768 embedding). The segment count is data-dependent but never read on the
+    host: the empty segments go to a spare row that is dropped, so no step waits for the device."""
     n_rows, width = weight.shape
     out_dtype = weight.dtype if weight.dtype in _FLOATS else torch.float32
-    n = idx.shape[0]
-    if n_rows <= n:  # every row's digits: no larger than the segments' would be
+    if n_rows <= idx.shape[0]:  # every row's digits: no larger than the segments' would be
         gw = det_finalize(scatter_sum_digits(g, idx, n_rows), out_dtype)
     else:
-        sorted_idx, order = torch.sort(idx)
-        starts = torch.ones_like(sorted_idx, dtype=torch.bool)
-        torch.ne(sorted_idx[1:], sorted_idx[:-1], out=starts[1:])
-        seg_sorted = torch.cumsum(starts, 0) - 1  # segment of each sorted position
-        seg = torch.empty_like(seg_sorted).scatter_(0, order, seg_sorted)  # ... of each position
-        # row of each segment, written once by its first position; the rest write the spare slot
-        row_of = torch.full((n + 1,), n_rows, dtype=torch.long, device=idx.device)
-        row_of.scatter_(0, torch.where(starts, seg_sorted, n), sorted_idx)
-        sums = det_finalize(scatter_sum_digits(g, seg, n), out_dtype)
-        # unused segments sum to +0.0 and all land on the spare row n_rows
+        seg, row = _segments(idx, n_rows)
+        sums = det_finalize(scatter_sum_digits(g, seg, idx.shape[0]), out_dtype)
+        # empty segments sum to +0.0 and all land on the spare row n_rows
         full = torch.zeros((n_rows + 1, width), dtype=out_dtype, device=g.device)
-        full.index_copy_(0, row_of[:n], sums)
+        full.index_copy_(0, row, sums)
         gw = full[:n_rows]
     if pad is not None:
         gw[pad] = 0  # PyTorch semantics: the padding row gets no gradient
     return gw
 
+
+def _add_row_sums(acc: torch.Tensor, g: torch.Tensor, idx: torch.Tensor, pad: Optional[int]) -> None:
+    """Adds the row sums' digits into ``acc`` (n_rows, D, 19), canonical, in place; the caller
+    normalizes. With fewer positions than rows, only the segments' (positions, D, 19) digits are
+    made, and added into their rows as int64 words: exact in any order."""
+    n_rows = acc.shape[0]
+    if n_rows <= idx.shape[0]:
+        acc.add_(_row_sum_digits(g, idx, n_rows, pad))
+        return
+    seg, row = _segments(idx, n_rows)
+    sums = scatter_sum_digits(g, seg, idx.shape[0])
+    skip = row == n_rows  # empty segments: zero digits, sent to row 0 where they add nothing
+    if pad is not None:
+        skip |= row == pad
+        sums.masked_fill_(skip.view(-1, 1, 1), 0)
+    acc.index_add_(0, torch.where(skip, 0, row), sums)
 
 class DetEmbedding(nn.Embedding):
     """``nn.Embedding`` whose weight gradient is an exact sum over all occurrences, rounded once.

@@ -165,7 +165,8 @@ class StepState:
 
     # ---- backward --------------------------------------------------------------------------
     def contribute(self, param: torch.Tensor, digits: Callable[[], LongAcc],
-                   rounded: Callable[[], torch.Tensor]) -> None:
+                   rounded: Callable[[], torch.Tensor],
+                   add_into: Optional[Callable[[LongAcc], None]] = None) -> None:
         """A det module's backward hands over one exact contribution to ``param``'s gradient.
 
         Args:
@@ -174,6 +175,10 @@ class StepState:
             rounded: makes the same exact sum rounded once to the param's dtype, shape ``param.shape``.
                 Called instead of ``digits`` only when this is provably the parameter's one
                 contribution of a backward under :meth:`eager_rounding`.
+            add_into: optional; adds the same contribution's canonical digits into a canonical
+                LongAcc of the parameter's shape, in place (a sparse contribution, an embedding's
+                rows, touches only its rows). Used instead of ``digits`` where this state already
+                holds the parameter's digits and may write them: no second full-size LongAcc.
         """
         entry = self._uses.get(id(param))
         uses = entry[1] if entry is not None and entry[0] is param else 0
@@ -188,6 +193,12 @@ class StepState:
             )
         if self.eager and uses == 1 and self.grad_digits(param) is None:
             self._rounded[id(param)] = (param, rounded())
+            return
+        entry = self._digits.get(id(param))
+        if add_into is not None and entry is not None and entry[0] is param and entry[2]:
+            # Two canonical accumulators added: far inside every digit's headroom (longacc.h).
+            add_into(entry[1])
+            entry[1] = det_normalize(entry[1])
             return
         self.add_grad_digits(param, digits(), take=True)
 
