@@ -3,19 +3,21 @@
 
 #include <ATen/ATen.h>
 
+#include <string>
 #include <vector>
 
 #include "hash.h"
 
 namespace ldet {
 
-// Argument checks that name the argument; returns the byte count of `self`.
-inline int64_t digest_check_input(const at::Tensor& self) {
+// Argument checks that name the argument (`self`, or tensors[i] of digest_chunks_many); returns
+// the byte count of `self`.
+inline int64_t digest_check_input(const at::Tensor& self, const char* op = "ldet::digest_chunks",
+                                  const std::string& name = "`self`") {
   TORCH_CHECK(self.layout() == at::kStrided,
-              "ldet::digest_chunks: `self` must be a strided (dense) tensor, got layout ", self.layout());
+              op, ": ", name, " must be a strided (dense) tensor, got layout ", self.layout());
   TORCH_CHECK(self.is_contiguous(),
-              "ldet::digest_chunks: `self` must be contiguous (call .contiguous() first); got strides ",
-              self.strides());
+              op, ": ", name, " must be contiguous (call .contiguous() first); got strides ", self.strides());
   return self.numel() * static_cast<int64_t>(self.element_size());
 }
 
@@ -28,11 +30,7 @@ inline std::vector<int64_t> digest_check_many(at::TensorList tensors) {
     const at::Tensor& t = tensors[i];
     TORCH_CHECK(t.device() == tensors[0].device(), "ldet::digest_chunks_many: tensors[", i, "] is on ",
                 t.device(), ", expected ", tensors[0].device(), " like tensors[0]");
-    TORCH_CHECK(t.layout() == at::kStrided, "ldet::digest_chunks_many: tensors[", i,
-                "] must be a strided (dense) tensor, got layout ", t.layout());
-    TORCH_CHECK(t.is_contiguous(), "ldet::digest_chunks_many: tensors[", i,
-                "] must be contiguous (call .contiguous() first); got strides ", t.strides());
-    nbytes.push_back(t.numel() * static_cast<int64_t>(t.element_size()));
+    nbytes.push_back(digest_check_input(t, "ldet::digest_chunks_many", "tensors[" + std::to_string(i) + "]"));
   }
   return nbytes;
 }

@@ -161,11 +161,14 @@ def _add_row_sums(acc: torch.Tensor, g: torch.Tensor, idx: torch.Tensor, pad: Op
         return
     seg, row = _segments(idx, n_rows)
     sums = scatter_sum_digits(g, seg, idx.shape[0])
-    skip = row == n_rows  # empty segments: zero digits, sent to row 0 where they add nothing
+    # empty segments hold zero digits: sent to row 0, they add nothing; the padding row's are
+    # zeroed first
+    skip = row == n_rows
     if pad is not None:
         skip |= row == pad
         sums.masked_fill_(skip.view(-1, 1, 1), 0)
     acc.index_add_(0, torch.where(skip, 0, row), sums)
+
 
 class DetEmbedding(nn.Embedding):
     """``nn.Embedding`` whose weight gradient is an exact sum over all occurrences, rounded once.
