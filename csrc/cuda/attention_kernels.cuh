@@ -352,15 +352,20 @@ __device__ __forceinline__ void load_row_stats(float* m_s, float* r_s, float* d_
   }
 }
 
+// Blocks of dq a multiprocessor holds at once: two at head dimension 64, where two fit the shared
+// memory and a 128-register cap costs a few spills (uncapped it takes 168 registers, one block, and
+// ran 1.2x slower on an H100: its loads and barriers had no other block's work to hide behind).
+template <int EP>
+constexpr int kBwdQMinBlocks = EP == 64 ? 2 : 1;
+
 // ------------------------------------------------------------------------------------------------
 // dq. Shared: q_r, do_r [BQ][EP+4], k_r, v_r [BK][EP+4], k_t [EP][BK+4], ds_r [BQ][BK+4],
 // m_s, r_s, d_s [BQ].
 template <int EP>
-__global__ void __launch_bounds__(kThreads) attn_bwd_q_kernel(AttnLaunch a, const void* __restrict__ q,
-                                                               const void* __restrict__ k, const void* __restrict__ v,
-                                                               const void* __restrict__ dout,
-                                                               const float* __restrict__ stats,
-                                                               const float* __restrict__ delta, float* __restrict__ dq) {
+__global__ void __launch_bounds__(kThreads, kBwdQMinBlocks<EP>)
+    attn_bwd_q_kernel(AttnLaunch a, const void* __restrict__ q, const void* __restrict__ k, const void* __restrict__ v,
+                      const void* __restrict__ dout, const float* __restrict__ stats, const float* __restrict__ delta,
+                      float* __restrict__ dq) {
   constexpr int BQ = Tiles<EP>::FQ, BK = Tiles<EP>::FK;
   constexpr int LDE = ld_of(EP), LDK = ld_of(BK);
   using QL = Layout<BQ, EP>;

@@ -168,7 +168,7 @@ inline void launch(dim3 grid, dim3 block, Order order, const std::function<void(
 #define __device__
 #define __host__
 #define __forceinline__ inline
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 #define __restrict__ __restrict
 #define __shared__
 #define threadIdx (::emu::thread_idx())
