@@ -56,12 +56,12 @@ struct SliceOperand {
   }
 };
 
-// A SliceOperand's buffers for operand a: slices (Rp, width), scales and, when `residues`, the
-// residue lists (counts zeroed). zero_fill: zeros in sh and F where the slicing kernel writes only
+// A SliceOperand's buffers for operand a: slices (Rp, width), scales and, when rcount (the
+// caller's (R,) int32 zeros, SliceRun) is defined, the residue lists counted there. zero_fill: zeros in sh and F where the slicing kernel writes only
 // live rows; zero_slices: in q too (the CPU's kernel zeroes q a row at a time instead, where the
 // row is in cache: one pass over the planes fewer).
-inline SliceOperand new_slice_operand(const at::Tensor& a, int64_t Rp, int64_t width, bool residues, bool zero_fill,
-                                      bool zero_slices) {
+inline SliceOperand new_slice_operand(const at::Tensor& a, int64_t Rp, int64_t width, const at::Tensor& rcount,
+                                      bool zero_fill, bool zero_slices) {
   const int64_t R = a.size(0);
   auto make = [&](at::IntArrayRef size, at::ScalarType t, bool zeros) {
     // uninit: the CUDA slicing kernel writes every element of q, sh and F (zeros for padding and
@@ -72,8 +72,8 @@ inline SliceOperand new_slice_operand(const at::Tensor& a, int64_t Rp, int64_t w
   at::Tensor q = zero_slices ? at::zeros({Rp, width}, a.options().dtype(at::kChar))
                              : pooled_uninit({Rp, width}, a.options().dtype(at::kChar));
   SliceOperand so{a, q, make({R}, at::kInt, zero_fill), {}, {}, {}, {}};
-  if (residues) {
-    so.rcount = at::zeros({R}, a.options().dtype(at::kInt));
+  if (rcount.defined()) {
+    so.rcount = rcount;
     // read only below their row's count
     so.ridx = uninit({R, kResidueCap}, a.options().dtype(at::kInt));
     so.rval = uninit({R, kResidueCap}, a.options().dtype(at::kDouble));
@@ -132,21 +132,24 @@ struct SliceBackend {
   // The slices at S: int8 (Rp, nch * S * Kc): for chunk c and slice s (slot s, or S-1-s when
   // reverse) the columns [(c*S + slot) * Kc, +Kc) hold slice s of a[:, c*Kc : (c+1)*Kc]'s window
   // parts; zero padding and zero rows for rows needing more than S. Also the scales and, when
-  // `residues`, the residue lists (SliceOperand). left: undefined, or (R + 1,) int32 zeros that
+  // rcount is defined ((R,) int32 zeros), the residue lists (SliceOperand). left: undefined, or (R + 1,) int32 zeros that
   // receive the rows needing more than S (left[0] their count, left[1..] the rows, any order).
   // moduli > 0 (the CRT route, crt.h; nch == 1): int8 (Rp, moduli * Kc) instead, columns
   // [t * Kc, +Kc) holding the symmetric remainders of the window integers modulo crt_table(bits).m[t].
   SliceOperand (*make_slices)(const at::Tensor& a, const at::Tensor& needs, int64_t S, int64_t bits, bool reverse,
-                              int64_t Kc, int64_t nch, int64_t Rp, bool residues, const at::Tensor& left,
-                              int64_t moduli);
+                              int64_t Kc, int64_t nch, int64_t Rp, const at::Tensor& rcount,
+                              const at::Tensor& left, int64_t moduli);
   // Rounded (M, Nv) of out_dtype, or digits (M, Nv, 19), from C (nch * D, Mp, Ncp) int32 and
   // both operands' residues (w's narrowed to the chunk's Nv rows). `wide`, or check.sums: the
   // 128-bit route's proof (WideCheck). moduli > 0: C is (moduli, Mp, Ncp), the remainder sums.
   // Written into dst when defined (combine_output's view of the whole output: an N-chunk's
-  // columns), else into a new tensor; returns it.
+  // columns), else into a new tensor; returns it. count: null, or an int32 zero on the operands'
+  // device the backend may use as a counter (SliceRun::count; the CUDA combine's list of outputs
+  // left to its second kernel), saving it a zero-filled allocation.
   at::Tensor (*combine)(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOperand& x, const SliceOperand& w,
                         const at::Tensor& bias, int64_t D, int64_t bits, bool wide, const WideCheck& check,
-                        bool digits, at::ScalarType out_dtype, int64_t moduli, const at::Tensor& dst);
+                        bool digits, at::ScalarType out_dtype, int64_t moduli, const at::Tensor& dst,
+                        int32_t* count);
   // One int8 GEMM (Int8Gemm) on `device`, exact in int32.
   void (*int8_mm)(const Int8Gemm& g, const at::Device& device);
   // Overwrites the outputs of the rows listed in `left` (make_slices' list: x's rows when x_rows,
@@ -274,13 +277,27 @@ inline GuessCache& guess_cache() {
 // multiply (int8 GEMMs per N-chunk), combine, fix-up (rows the slices could not hold).
 
 // What the plan step hands to the later steps.
+// N-chunks whose combine gets a counter from SliceRun's zeroed buffer (later ones allocate their own).
+constexpr int64_t kCombineCounts = 8;
+
 struct SliceRun {
   at::Tensor x, w;            // the operands with dense rows
   at::Tensor sums;            // both summaries (2 kSumLen int32, on the operands' device)
   at::Tensor nx, nw;          // per-row needs (SliceBackend::row_needs)
   at::Tensor left_x, left_w;  // guessed plan: the rows needing more slices than guessed
+  // int32 zeros, one buffer (slices_summaries): the summaries, then x's and w's residue counts
+  // (M and N of them; make_slices), then kCombineCounts counters for the first N-chunks' combine
+  at::Tensor zeroed;
+  at::Tensor rcount_x() const { return zeroed.narrow(0, 2 * kSumLen, x.size(0)); }
+  at::Tensor rcount_w() const { return zeroed.narrow(0, 2 * kSumLen + x.size(0), w.size(0)); }
+  int32_t* count(int64_t chunk) const;
   bool res_x = true, res_w = true;  // an operand has residue lists at its slice count
 };
+
+inline int32_t* SliceRun::count(int64_t chunk) const {
+  if (chunk >= kCombineCounts) return nullptr;
+  return zeroed.data_ptr<int32_t>() + 2 * kSumLen + x.size(0) + w.size(0) + chunk;
+}
 
 // Plan, part 1: the guess this call takes, if any: a fixed one from the options, or the cache of
 // this key's recent plans (which first takes in a summary that has since reached the host).
@@ -307,21 +324,24 @@ inline std::pair<int64_t, int64_t> slices_guess(const GemmPlan& plan, const at::
   return g;
 }
 
-// Plan, part 2: both operands' row needs and summaries (one zeroed buffer: the summaries, then,
-// for a guessed plan, the lists of rows left to exact_rows).
+// Plan, part 2: both operands' row needs and summaries. Everything a call needs zeroed is one
+// buffer, zeroed in one launch: the summaries, both operands' residue counts, the combine's
+// counters, then, for a guessed plan, the lists of rows left to exact_rows.
 inline SliceRun slices_summaries(const at::Tensor& x_in, const at::Tensor& w_in, bool guessed, const SliceBackend& be) {
   SliceRun r;
   r.x = dense_rows(x_in);
   r.w = dense_rows(w_in);
   const int64_t M = r.x.size(0), N = r.w.size(0);
-  const at::Tensor scratch = at::zeros({2 * kSumLen + (guessed ? M + 1 + N + 1 : 0)}, r.x.options().dtype(at::kInt));
+  const int64_t head = 2 * kSumLen + M + N + kCombineCounts;
+  const at::Tensor scratch = at::zeros({head + (guessed ? M + 1 + N + 1 : 0)}, r.x.options().dtype(at::kInt));
+  r.zeroed = scratch;
   r.sums = scratch.narrow(0, 0, 2 * kSumLen);
   at::Tensor sum_x = r.sums.narrow(0, 0, kSumLen), sum_w = r.sums.narrow(0, kSumLen, kSumLen);
   r.nx = be.row_needs(r.x, be.bits, sum_x);
   r.nw = be.row_needs(r.w, be.bits, sum_w);
   if (guessed) {
-    r.left_x = scratch.narrow(0, 2 * kSumLen, M + 1);
-    r.left_w = scratch.narrow(0, 2 * kSumLen + M + 1, N + 1);
+    r.left_x = scratch.narrow(0, head, M + 1);
+    r.left_w = scratch.narrow(0, head + M + 1, N + 1);
   }
   return r;
 }
@@ -425,7 +445,8 @@ inline at::Tensor slices_multiply_combine(const GemmPlan& plan, const SliceRun& 
     if (!out.defined()) out = combine_output(C, M, N, plan.digits, out_dtype);  // every chunk lands
     const bool whole = n0 == 0 && nv == N;  // no views then (host time)
     be.combine(C, M, nv, xo, wo.rows(n0, nv), bd.defined() && !whole ? bd.narrow(0, n0, nv) : bd, s.diagonals, be.bits,
-               s.wide, check, plan.digits, out_dtype, s.moduli, whole ? out : out.narrow(1, n0, nv));
+               s.wide, check, plan.digits, out_dtype, s.moduli, whole ? out : out.narrow(1, n0, nv),
+               r.count(n0 / Nc));
   }
   return out;
 }
@@ -465,9 +486,10 @@ inline at::Tensor gemm_int_slices(GemmPlan* plan, const at::Tensor& x_in, const 
   if (!slices_plan_step(plan, r, guess, st, be)) return {};
   const SlicesPlan& s = plan->slices;
   const SliceOperand xo = be.make_slices(r.x, r.nx, s.slices_x, be.bits, false, s.sliced_k_chunk, s.sliced_k_chunks,
-                                         s.rows_padded, r.res_x, r.left_x, s.moduli);
+                                         s.rows_padded, r.res_x ? r.rcount_x() : at::Tensor(), r.left_x, s.moduli);
   const SliceOperand wo = be.make_slices(r.w, r.nw, s.slices_w, be.bits, s.moduli == 0, s.sliced_k_chunk,
-                                         s.sliced_k_chunks, s.n_padded, r.res_w, r.left_w, s.moduli);
+                                         s.sliced_k_chunks, s.n_padded, r.res_w ? r.rcount_w() : at::Tensor(), r.left_w,
+                                         s.moduli);
   at::Tensor bd;
   if (bias.has_value()) bd = bias->to(at::kDouble).contiguous();
   at::Tensor out = slices_multiply_combine(*plan, r, xo, wo, bd, out_dtype, be);

@@ -113,12 +113,13 @@ at::Tensor row_needs_cpu(const at::Tensor& a, int64_t bits, at::Tensor& summary)
 bool crt_scalar_forms() { return gemm_env().crt_scalar; }
 
 SliceOperand make_slices_cpu(const at::Tensor& a, const at::Tensor& needs, int64_t S, int64_t bits, bool reverse,
-                             int64_t Kc, int64_t nch, int64_t Rp, bool residues, const at::Tensor& left,
+                             int64_t Kc, int64_t nch, int64_t Rp, const at::Tensor& rcount, const at::Tensor& left,
                              int64_t moduli) {
+  const bool residues = rcount.defined();
   const int64_t R = a.size(0), K = a.size(1), width = moduli > 0 ? moduli * Kc : nch * S * Kc;
   const CrtConsts crt = moduli > 0 ? crt_consts(int(bits), int(moduli)) : CrtConsts{};
   const bool scalar = crt_scalar_forms();
-  SliceOperand so = new_slice_operand(a, Rp, width, residues, /*zero_fill=*/true, /*zero_slices=*/false);
+  SliceOperand so = new_slice_operand(a, Rp, width, rcount, /*zero_fill=*/true, /*zero_slices=*/false);
   const int32_t* nd = needs.data_ptr<int32_t>();
   int8_t* o = so.q.data_ptr<int8_t>();
   int32_t* sho = so.sh.data_ptr<int32_t>();
@@ -414,7 +415,8 @@ void combine_rows_for(const CombineView& v, int64_t b, int64_t e) {
 
 at::Tensor combine_cpu(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOperand& x, const SliceOperand& w,
                        const at::Tensor& bias, int64_t D, int64_t bits, bool wide, const WideCheck& check,
-                       bool digits, at::ScalarType out_dtype, int64_t moduli, const at::Tensor& dst) {
+                       bool digits, at::ScalarType out_dtype, int64_t moduli, const at::Tensor& dst,
+                       int32_t* /*count: the CUDA combine's*/) {
   if (check.sums != nullptr)  // the summaries are host memory here
     wide = slices_wide(check.sums, check.sums + kSumLen, check.Sx, check.Sw, check.nch, check.Kc, int(bits));
   const int64_t P = C.size(0), Mp = C.size(1), Ncp = C.size(2);

@@ -466,10 +466,11 @@ at::Tensor row_needs_cuda(const at::Tensor& a, int64_t bits, at::Tensor& sum) {
 }
 
 SliceOperand make_slices_cuda(const at::Tensor& a, const at::Tensor& needs, int64_t S, int64_t bits, bool reverse,
-                              int64_t Kc, int64_t nch, int64_t Rp, bool residues, const at::Tensor& left,
+                              int64_t Kc, int64_t nch, int64_t Rp, const at::Tensor& rcount, const at::Tensor& left,
                               int64_t moduli) {
+  const bool residues = rcount.defined();
   const int64_t R = a.size(0), K = a.size(1), width = moduli > 0 ? moduli * Kc : nch * S * Kc;
-  SliceOperand so = new_slice_operand(a, Rp, width, residues, /*zero_fill=*/false, /*zero_slices=*/false);
+  SliceOperand so = new_slice_operand(a, Rp, width, rcount, /*zero_fill=*/false, /*zero_slices=*/false);
   if (S == 0) {  // never a guessed plan (those have S >= 1): `left` needs no rows here
     so.sh.zero_();
     return so;
@@ -504,7 +505,8 @@ KernelOperand kernel_operand(const SliceOperand& o, const at::Tensor& sh_c) {
 
 at::Tensor combine_cuda(const at::Tensor& C, int64_t M, int64_t Nv, const SliceOperand& x, const SliceOperand& w,
                         const at::Tensor& bias, int64_t D, int64_t bits, bool wide_ok, const WideCheck& check,
-                        bool digits, at::ScalarType out_dtype, int64_t moduli, const at::Tensor& dst) {
+                        bool digits, at::ScalarType out_dtype, int64_t moduli, const at::Tensor& dst,
+                        int32_t* count_in) {
   const CrtConsts crt = moduli > 0 ? crt_consts(int(bits), int(moduli)) : CrtConsts{};
   const int fmt = out_format(out_dtype);
   // every output: by the 128-bit kernel, or listed (or all, past the list) for combine_rest_kernel
@@ -522,16 +524,18 @@ at::Tensor combine_cuda(const at::Tensor& C, int64_t M, int64_t Nv, const SliceO
     if (!digits && (wide_ok || check.sums != nullptr)) {
       // outputs the 128-bit route leaves: their indices (up to cap) and count
       const int64_t cap = std::min<int64_t>(std::max<int64_t>(M * Nv / 8, 4096), int64_t(1) << 20);
-      at::Tensor count = at::zeros({1}, C.options().dtype(at::kInt));
+      at::Tensor own;  // past the run's counters: one of its own
+      if (count_in == nullptr) own = at::zeros({1}, C.options().dtype(at::kInt));
+      int32_t* count = count_in != nullptr ? count_in : own.data_ptr<int32_t>();
       at::Tensor list = uninit({cap}, C.options().dtype(at::kLong));  // read below the count only
       launch_combine_fast(int(D), nch, grid, stream, Cp, C.size(1), C.size(2), M, Nv, xo, wo, bp, int(bits), fmt,
-                          out.data_ptr(), ldo, list.data_ptr<int64_t>(), count.data_ptr<int32_t>(), cap, check, crt);
+                          out.data_ptr(), ldo, list.data_ptr<int64_t>(), count, cap, check, crt);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       // sized for the list: when nothing was left, its blocks read the count and return
       const unsigned rest_grid = unsigned(std::min<int64_t>((cap + kThreads - 1) / kThreads, 1024));
       combine_rest_kernel<<<rest_grid, kThreads, 0, stream>>>(Cp, nch, C.size(1), C.size(2), M, Nv, xo, wo, bp, int(D),
                                                               int(bits), false, fmt, out.data_ptr(), ldo,
-                                                              list.data_ptr<int64_t>(), count.data_ptr<int32_t>(), cap,
+                                                              list.data_ptr<int64_t>(), count, cap,
                                                               crt);
     } else {
       combine_rest_kernel<<<grid_for(M * Nv), kThreads, 0, stream>>>(Cp, nch, C.size(1), C.size(2), M, Nv, xo, wo, bp,
