@@ -234,29 +234,33 @@ LDET_HD float round_int128_fmt(bool neg, u128 mag, int E, int fmt) {
   return round_int128(neg, mag, E, 24, -149, 128);
 }
 
+// The top 64 bits of mag (> 0), with a sticky bit for the bits below them at bit 0 (an OR into
+// what is then at least 39 bits below any rounding bit of a 24-bit or narrower result, so it only
+// breaks ties, as the dropped bits would): mag ~ top * 2^(64 - s), top in [2^63, 2^64), s the
+// leading zeros of mag.
+LDET_HD uint64_t top64_sticky(u128 mag, int* s) {
+  const uint64_t hi = uint64_t(mag >> 64), lo = uint64_t(mag);
+  if (hi == 0) {
+    const int z = clz64(lo);
+    *s = 64 + z;
+    return lo << z;  // exact
+  }
+  const int z = clz64(hi);
+  *s = z;
+  const uint64_t top = z ? (hi << z) | (lo >> (64 - z)) : hi;
+  return top | uint64_t((lo << z) != 0);  // (lo << z: the bits below top; z < 64)
+}
+
 #if defined(__CUDA_ARCH__)
 // mag * 2^E (mag > 0, below 2^127) rounded to nearest-even into fp32 when the result is a normal
 // fp32 value, into *out; false otherwise (subnormal, overflow: round_int128 decides those).
-// The top 64 bits of mag, with a sticky bit for the rest at bit 0, go through the hardware's
-// 64-bit integer conversion (round-to-nearest-even; the sticky bit lies 39 bits below the
-// rounding bit, so it only breaks ties, as the dropped bits would); the scale then enters the
-// exponent field, exact for a normal result. The combine spent ~670 instructions an output, with
-// round_int128's shifts, branches and fp64 scaling among them.
+// top64_sticky goes through the hardware's 64-bit integer conversion (round-to-nearest-even);
+// the scale then enters the exponent field, exact for a normal result. The combine spent ~670
+// instructions an output, with round_int128's shifts, branches and fp64 scaling among them.
 __device__ __forceinline__ bool round_u128_f32_normal(u128 mag, int E, float* out) {
-  const uint64_t hi = uint64_t(mag >> 64), lo = uint64_t(mag);
-  int s;  // leading zeros of mag
-  uint64_t top;
-  if (hi != 0) {
-    s = __clzll(hi);
-    top = s ? (hi << s) | (lo >> (64 - s)) : hi;
-    top |= uint64_t((lo << s) != 0);  // (lo << s: the bits below top; s < 64)
-  } else {
-    const int z = __clzll(lo);
-    s = 64 + z;
-    top = lo << z;  // exact
-  }
-  const float f = __ull2float_rn(top);  // in [2^63, 2^64]
-  const int k = E + 64 - s;             // mag * 2^E ~ top * 2^k
+  int s;
+  const float f = __ull2float_rn(top64_sticky(mag, &s));  // in [2^63, 2^64]
+  const int k = E + 64 - s;                               // mag * 2^E ~ top * 2^k
   const int biased = int((__float_as_uint(f) >> 23) & 0xff) + k;
   if (biased < 1 || biased > 254) return false;
   *out = __uint_as_float(__float_as_uint(f) + (uint32_t(k) << 23));
@@ -264,16 +268,44 @@ __device__ __forceinline__ bool round_u128_f32_normal(u128 mag, int E, float* ou
 }
 #endif
 
+// mag * 2^E (0 < mag < 2^127) rounded to nearest-even at prec <= 24 significant bits when both
+// the value and its rounding are normal numbers of the format (leading exponent in [emin, emax]),
+// into *out as the fp32 of that value (exact: the format's normal numbers are fp32's); false
+// otherwise (subnormal, overflow: round_int128 decides those). The same rounding as round_int128
+// on that range, in 64-bit integer steps on top64_sticky. round_int128's 128-bit shifts cost the
+// combine ~670 instructions an output; bf16 and fp16 outputs (and fp32 on the CPU) take this.
+LDET_HD bool round_u128_normal(u128 mag, int E, int prec, int emin, int emax, float* out) {
+  int s;
+  const uint64_t top = top64_sticky(mag, &s);
+  int e = E + 127 - s;  // the leading bit's exponent: mag * 2^E ~ top * 2^(E + 64 - s)
+  if (e < emin) return false;
+  const int drop = 64 - prec;
+  uint64_t q = top >> drop;
+  const uint64_t rest = top & ((uint64_t(1) << drop) - 1), half = uint64_t(1) << (drop - 1);
+  if (rest > half || (rest == half && (q & 1) != 0)) ++q;
+  if (q >> prec) {  // carried into the next binade
+    q >>= 1;
+    ++e;
+  }
+  if (e > emax) return false;
+  *out = float_of((uint32_t(e + 127) << 23) | (uint32_t(q << (24 - prec)) & 0x7fffffu));
+  return true;
+}
+
 // T * 2^E (two's complement) rounded once to fmt: round_int128 of its magnitude; an exact zero
 // gives +0.0.
 LDET_HD float round_signed_int128(i128 T, int E, int fmt) {
   if (T == 0) return 0.0f;
   const bool neg = T < 0;
   const u128 mag = neg ? u128(-T) : u128(T);
-#if defined(__CUDA_ARCH__)
   float f;
+#if defined(__CUDA_ARCH__)
   if (fmt == kFmtF32 && round_u128_f32_normal(mag, E, &f)) return neg ? -f : f;
+#else
+  if (fmt == kFmtF32 && round_u128_normal(mag, E, 24, -126, 127, &f)) return neg ? -f : f;
 #endif
+  if (fmt == kFmtBF16 && round_u128_normal(mag, E, 8, -126, 127, &f)) return neg ? -f : f;
+  if (fmt == kFmtF16 && round_u128_normal(mag, E, 11, -14, 15, &f)) return neg ? -f : f;
   return round_int128_fmt(neg, mag, E, fmt);
 }
 
