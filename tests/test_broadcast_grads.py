@@ -448,15 +448,35 @@ def test_embedding_routes_round_eagerly_to_the_cpu_bytes_on_cuda(model):
 
 class _TiedTokPos(_TokPos):
     """Hugging Face GPT-2's tying: the head's weight is the token embedding's, so that weight gets
-    two contributions (the head's dW, then the embedding's rows) and keeps digits."""
+    two contributions (the head's dW, then the embedding's rows)."""
 
-    def __init__(self, vocab=64, t=5, d=6):
+    def __init__(self, vocab=64, t=5, d=6, pad=None):
         super().__init__(vocab, t, d)
+        if pad is not None:
+            self.tok = nn.Embedding(vocab, d, padding_idx=pad)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.tok.weight
 
     def forward(self, idx):
         return self.head(super().forward(idx))
+
+
+class _TiedTokPosTwice(_TiedTokPos):
+    """The tied embedding's output also used outside a route: three contributions."""
+
+    def forward(self, idx):
+        b, t = idx.shape
+        e = self.tok(idx)
+        return self.head(e + self.pos(torch.arange(t, device=idx.device).expand(b, t)) + torch.tanh(e))
+
+
+def _full_digits_grads(monkeypatch, net, idx, w):
+    """The gradients through full-shape digits only: every contribution without add_into, rows
+    or row_sums, one micro-batch (the reference for the in-place and the row-wise paths)."""
+    real_contribute = StepState.contribute
+    with monkeypatch.context() as m:
+        m.setattr(StepState, "contribute", lambda self, p, d, r, add_into=None, **kw: real_contribute(self, p, d, r))
+        return _tok_pos_grads(net, idx, w, WHOLE)
 
 
 @pytest.mark.parametrize("eager", [False, True])
@@ -465,23 +485,109 @@ def test_tied_embedding_rows_add_into_the_heads_digits(monkeypatch, eager):
 
     vocab = 64
     torch.manual_seed(8)
-    net = det_transform(_TiedTokPos(vocab=vocab))
+    net = det_transform(_TiedTokPosTwice(vocab=vocab) if eager else _TiedTokPos(vocab=vocab))
     idx = torch.randint(0, 13, (B, 5), generator=torch.Generator().manual_seed(9)) * 4
     w = gen.wide_exponents((B, 5, vocab), -30, 30, torch.float32, 10)
     rows = []
     with monkeypatch.context() as m:
         m.setattr(emb, "scatter_sum_digits", lambda a, i, n, real=emb.scatter_sum_digits: rows.append(n) or real(a, i, n))
         got = _tok_pos_eager_grads(net, idx, w) if eager else _tok_pos_grads(net, idx, w, HALVES)
-    # the embedding's rows went into the head's digits: segments of a micro-batch's positions
-    # (40, or 20 in halves), no (64, 6, 19)
-    assert vocab not in rows and (B * 5 if eager else B * 5 // 2) in rows
-    # the same bytes as adding a full (64, 6, 19) contribution (the contribution without add_into)
-    real_contribute = StepState.contribute
-    with monkeypatch.context() as m:
-        m.setattr(StepState, "contribute", lambda self, p, d, r, add_into=None: real_contribute(self, p, d, r))
-        full = _tok_pos_grads(net, idx, w, WHOLE)
+    # the rows went into the head's digits: segments of a micro-batch's positions (40, or 20 in
+    # halves; eager, three contributions: the route's and the embedding's own backward's), no
+    # (64, 6, 19)
+    assert vocab not in rows and rows.count(B * 5 if eager else B * 5 // 2) == 2
+    full = _full_digits_grads(monkeypatch, net, idx, w)
     for n in full:
         assert_bitwise(got[n], full[n], f"{n}: rows added vs full digits")
+
+
+def _recording_gemm_partial(monkeypatch, made):
+    """lightning_det.ops.linear's ldet ops, with each gemm_partial's row count appended to made."""
+    import lightning_det.ops.linear as lin
+
+    real_ops = lin._ops
+
+    class Recording:
+        def __getattr__(self, name):
+            fn = getattr(real_ops(), name)
+            if name != "gemm_partial":
+                return fn
+            return lambda x, *a: made.append(x.shape[0]) or fn(x, *a)
+
+    monkeypatch.setattr(lin, "_ops", lambda: Recording())
+
+
+@pytest.mark.parametrize("pad", [None, 4])
+def test_tied_head_and_embedding_round_eagerly_without_the_vocabulary_digits(monkeypatch, pad):
+    """The head's dW waits for the embedding's rows: only the occurring rows get digits (from both
+    contributions), every other row is the head's dW rounded on its own: the digit path's bytes."""
+    import lightning_det.nn.embedding as emb
+
+    vocab = 64
+    torch.manual_seed(8)
+    net = det_transform(_TiedTokPos(vocab=vocab, pad=pad))
+    idx = torch.randint(0, 13, (B, 5), generator=torch.Generator().manual_seed(9)) * 4  # rows 0, 4, .., 48
+    w = gen.wide_exponents((B, 5, vocab), -30, 30, torch.float32, 10)
+    full = _full_digits_grads(monkeypatch, net, idx, w)
+    made, rows = [], []
+    with monkeypatch.context() as m:
+        _recording_gemm_partial(m, made)
+        m.setattr(emb, "scatter_sum_digits", lambda a, i, n, real=emb.scatter_sum_digits: rows.append(n) or real(a, i, n))
+        eager = _tok_pos_eager_grads(net, idx, w)
+    assert made == [B * 5] and vocab not in rows  # the 40 positions' rows, never (64, 6, 19)
+    for n in full:
+        assert_bitwise(eager[n], full[n], f"{n}: eager vs full digits")
+    # rows that do not occur (and the padding row) hold the head's dW alone, rounded once; the
+    # occurring rows differ from it by the embedding's rows
+    from lightning_det.ops import det_gemm
+
+    x = (net.tok(idx) + net.pos(torch.arange(5).expand(B, 5))).detach()
+    head_only = det_gemm(w.reshape(-1, vocab).t().contiguous(), x.reshape(-1, 6).t().contiguous())
+    occurring = torch.zeros(vocab, dtype=torch.bool)
+    occurring[idx.unique()] = True
+    if pad is not None:
+        occurring[pad] = False
+    assert_bitwise(eager["tok.weight"][~occurring], head_only[~occurring], "rows not occurring: the head's dW")
+    assert not torch.equal(eager["tok.weight"][occurring], head_only[occurring])
+
+
+@cuda
+def test_tied_head_and_embedding_round_eagerly_to_the_cpu_bytes_on_cuda():
+    vocab = 64
+    torch.manual_seed(8)
+    net = det_transform(_TiedTokPos(vocab=vocab, pad=4))
+    idx = torch.randint(0, 13, (B, 5), generator=torch.Generator().manual_seed(9)) * 4
+    w = gen.wide_exponents((B, 5, vocab), -30, 30, torch.float32, 10)
+    cpu = _tok_pos_eager_grads(net, idx, w)
+    got = _tok_pos_eager_grads(net.cuda(), idx.cuda(), w.cuda())
+    for n in cpu:
+        assert_bitwise(got[n].cpu(), cpu[n], f"{n}: cuda vs cpu")
+
+
+def test_a_waiting_contribution_alone_is_rounded_at_the_end():
+    """A tied weight whose second counted use brings no contribution (its output is not used):
+    the head's dW waited, and is rounded on its own when the eager backward ends."""
+    vocab = 64
+    torch.manual_seed(8)
+    net = det_transform(_TiedTokPos(vocab=vocab))
+    idx = torch.randint(0, 13, (B, 5), generator=torch.Generator().manual_seed(9)) * 4
+    x = torch.randn(B, 5, 6, generator=torch.Generator().manual_seed(2))
+    w = gen.wide_exponents((B, 5, vocab), -30, 30, torch.float32, 10)
+
+    def grads(eager):
+        state = StepState()
+        set_grad_digits(net, state)
+        with state.eager_rounding(enabled=eager):
+            with det_function_mode(state=state):
+                net.tok(idx)  # a counted use with no backward
+                out = net.head(x)
+            (out * w).sum().backward()
+        finalize_grad_digits(state, net.parameters())
+        g = net.head.weight.grad.clone()
+        net.head.weight.grad = None
+        return g
+
+    assert_bitwise(grads(True), grads(False), "waiting then rounded vs digits")
 
 
 @pytest.mark.parametrize("pad", [None, 7])

@@ -142,15 +142,17 @@ class _Sink:
 
     A det op's sink also has ``to_rounded`` (full-shape gradient -> the parameter's gradient
     rounded once, for eager rounding), ``to_add_into`` (full-shape gradient -> an in-place adder
-    into the parameter's pending digits, StepState.contribute's ``add_into``) and ``op_node``, the
-    op's own autograd node, whose counted forward use gives no contribution when the node does not
-    run in the backward."""
+    into the parameter's pending digits, StepState.contribute's ``add_into``), ``to_row_sums``
+    (full-shape gradient -> its ``row_sums``, or None) and ``op_node``, the op's own autograd node,
+    whose counted forward use gives no contribution when the node does not run in the backward."""
 
     def __init__(self, param: nn.Parameter, to_param: Callable[[torch.Tensor], LongAcc], takes_full: bool,
                  to_rounded: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, op_node=None,
-                 to_add_into: Optional[Callable[[torch.Tensor], Callable[[LongAcc], None]]] = None):
+                 to_add_into: Optional[Callable[[torch.Tensor], Callable[[LongAcc], None]]] = None,
+                 to_row_sums: Optional[Callable[[torch.Tensor], Optional[Callable]]] = None):
         self.param, self.to_param, self.takes_full = param, to_param, takes_full
         self.to_rounded, self.op_node, self.to_add_into = to_rounded, op_node, to_add_into
+        self.to_row_sums = to_row_sums
 
 
 def _param_sink(t: torch.Tensor) -> Optional[_Sink]:
@@ -196,8 +198,9 @@ def _det_op_sink(t: torch.Tensor, state: StepState, result_shape: torch.Size) ->
     found = hook(fn, state, result_shape)
     if found is None:
         return None
-    param, full_grad_to_digits, full_grad_to_rounded, full_grad_to_add_into = found
-    return _Sink(param, full_grad_to_digits, True, full_grad_to_rounded, fn, full_grad_to_add_into)
+    param, full_grad_to_digits, full_grad_to_rounded, full_grad_to_add_into, full_grad_to_row_sums = found
+    return _Sink(param, full_grad_to_digits, True, full_grad_to_rounded, fn, full_grad_to_add_into,
+                 full_grad_to_row_sums)
 
 
 def _moved_sink(t: torch.Tensor, state: StepState) -> Optional[_Sink]:
@@ -247,7 +250,8 @@ class _ExactBroadcast(torch.autograd.Function):
             node.ldet_use_forgotten = True
             ctx.state.forget_forward_use(p)
         add_into = sink.to_add_into(grad) if sink.to_add_into is not None else None
-        ctx.state.contribute(p, digits, rounded, add_into)
+        row_sums = sink.to_row_sums(grad) if sink.to_row_sums is not None else None
+        ctx.state.contribute(p, digits, rounded, add_into, row_sums=row_sums)
         return None, None, None, None, None, None, None
 
 

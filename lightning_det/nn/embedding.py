@@ -38,9 +38,11 @@ class _DetEmbeddingFn(torch.autograd.Function):
         (``tok(idx) + pos(positions)``), takes its full gradient here
         (lightning_det.nn.broadcast_grads): the indices broadcast the same way, and one exact
         row scatter gives the weight's gradient, with no digits of the output in between.
-        Returns ``(weight, grad -> digits, grad -> rounded gradient, grad -> (digits -> None))``
-        (the last adds the gradient's row sums into the weight's pending digits in place), or
-        None where the embedding dimension itself is broadcast or the module has another state."""
+        Returns ``(weight, grad -> digits, grad -> rounded gradient, grad -> (digits -> None),
+        grad -> (() -> (row, sums)) or None)`` (the fourth adds the gradient's row sums into the
+        weight's pending digits in place, the fifth gives the occurring rows' sums:
+        StepState.contribute's row_sums), or None where the embedding dimension itself is
+        broadcast or the module has another state."""
         weight = node.weight
         (idx,) = node.saved_tensors
         if node.state is not state or not node.needs_input_grad[1] or len(shape) < idx.dim() + 1 \
@@ -69,7 +71,12 @@ class _DetEmbeddingFn(torch.autograd.Function):
         def add_into(grad):
             return trusted_fn(lambda acc: _add_row_sums(acc, rows(grad), idx_b, pad))
 
-        return weight, digits, rounded, add_into
+        def row_sums(grad):
+            if weight.shape[0] <= idx_b.shape[0]:
+                return None  # no fewer segments than rows
+            return trusted_fn(lambda: _occurring_row_sums(rows(grad), idx_b, weight.shape[0], pad))
+
+        return weight, digits, rounded, add_into, row_sums
 
     @staticmethod
     @trusted_fn
@@ -95,8 +102,12 @@ class _DetEmbeddingFn(torch.autograd.Function):
         def add_into(acc: torch.Tensor) -> None:
             _add_row_sums(acc, gy2, idx1, pad)
 
+        def row_sums():
+            return _occurring_row_sums(gy2, idx1, weight.shape[0], pad)
+
         if ctx.state is not None:
-            ctx.state.contribute(weight, digits, rounded, add_into)
+            sparse = weight.shape[0] > idx1.shape[0]  # fewer segments than rows
+            ctx.state.contribute(weight, digits, rounded, add_into, row_sums=row_sums if sparse else None)
             return None, None, None, None, None
         return None, rounded(), None, None, None
 
@@ -151,6 +162,19 @@ def _rounded_row_sums(g: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, 
     return gw
 
 
+def _occurring_row_sums(g: torch.Tensor, idx: torch.Tensor, n_rows: int, pad: Optional[int]):
+    """``(row, sums)``: the exact row sums of the rows that occur, as the segments' digits
+    (positions, D, 19) (:func:`_segments`), and the row each segment goes to; ``n_rows`` for the
+    segments that hold no position and for the padding row's, whose sums are zeroed."""
+    seg, row = _segments(idx, n_rows)
+    sums = scatter_sum_digits(g, seg, idx.shape[0])
+    if pad is not None:
+        is_pad = row == pad
+        sums.masked_fill_(is_pad.view(-1, 1, 1), 0)
+        row = torch.where(is_pad, n_rows, row)
+    return row, sums
+
+
 def _add_row_sums(acc: torch.Tensor, g: torch.Tensor, idx: torch.Tensor, pad: Optional[int]) -> None:
     """Adds the row sums' digits into ``acc`` (n_rows, D, 19), canonical, in place; the caller
     normalizes. With fewer positions than rows, only the segments' (positions, D, 19) digits are
@@ -159,15 +183,9 @@ def _add_row_sums(acc: torch.Tensor, g: torch.Tensor, idx: torch.Tensor, pad: Op
     if n_rows <= idx.shape[0]:
         acc.add_(_row_sum_digits(g, idx, n_rows, pad))
         return
-    seg, row = _segments(idx, n_rows)
-    sums = scatter_sum_digits(g, seg, idx.shape[0])
-    # empty segments hold zero digits: sent to row 0, they add nothing; the padding row's are
-    # zeroed first
-    skip = row == n_rows
-    if pad is not None:
-        skip |= row == pad
-        sums.masked_fill_(skip.view(-1, 1, 1), 0)
-    acc.index_add_(0, torch.where(skip, 0, row), sums)
+    row, sums = _occurring_row_sums(g, idx, n_rows, pad)
+    # the segments that go nowhere hold zero digits: sent to row 0, they add nothing
+    acc.index_add_(0, torch.where(row == n_rows, 0, row), sums)
 
 
 class DetEmbedding(nn.Embedding):

@@ -35,6 +35,12 @@ so a forward that a reentrant checkpoint will recompute counts too), each backwa
 takes one off, and a contribution rounds eagerly only when it is the single counted use and no
 digits are pending. Anything uncounted that arrives later (a second backward through a retained
 graph, a checkpointed segment recomputed after the rounding) raises instead of rounding twice.
+
+A weight with two contributions, a dense one and then one confined to a few rows (a head tied to
+its token embedding: the head's dW, then the embedding's occurring rows), is also rounded in the
+backward, without digits of its whole shape: the dense contribution waits as its operands (it
+offers ``rows``, its digits of given rows), and the sparse one (``row_sums``) completes it, each
+touched row's digits made from both and rounded once, every other row rounded from the dense one.
 """
 from __future__ import annotations
 
@@ -45,7 +51,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..ops import LongAcc, det_combine, det_normalize
+from ..ops import LongAcc, det_combine, det_finalize, det_normalize
 from ..ops.deferred_checks import DeferredChecks
 from ..ops.longacc import _plans_arg, check_acc
 
@@ -105,6 +111,8 @@ class StepState:
         self._digits: Dict[int, list] = {}
         self._rounded: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> (param, grad)
         self._uses: Dict[int, list] = {}  # id(param) -> [param, forward uses whose backward is due]
+        # id(param) -> [param, digits, rounded, rows]: a dense contribution waiting for a sparse one
+        self._waiting: Dict[int, list] = {}
 
     @property
     def position(self) -> Optional[BatchPosition]:
@@ -160,13 +168,24 @@ class StepState:
         self.eager = True
         try:
             yield
+            self._settle_waiting()
         finally:
             self.eager = False
+            self._waiting.clear()
+
+    def _settle_waiting(self) -> None:
+        """After the eager backward: a dense contribution still waiting was its parameter's only
+        one (the counted use that would have completed it brought none), so it is rounded."""
+        for param, _, rounded, _ in self._waiting.values():
+            self._rounded[id(param)] = (param, rounded())
+        self._waiting.clear()
 
     # ---- backward --------------------------------------------------------------------------
     def contribute(self, param: torch.Tensor, digits: Callable[[], LongAcc],
                    rounded: Callable[[], torch.Tensor],
-                   add_into: Optional[Callable[[LongAcc], None]] = None) -> None:
+                   add_into: Optional[Callable[[LongAcc], None]] = None, *,
+                   rows: Optional[Callable[[torch.Tensor], LongAcc]] = None,
+                   row_sums: Optional[Callable[[], Tuple[torch.Tensor, LongAcc]]] = None) -> None:
         """A det module's backward hands over one exact contribution to ``param``'s gradient.
 
         Args:
@@ -179,6 +198,15 @@ class StepState:
                 LongAcc of the parameter's shape, in place (a sparse contribution, an embedding's
                 rows, touches only its rows). Used instead of ``digits`` where this state already
                 holds the parameter's digits and may write them: no second full-size LongAcc.
+            rows: optional; ``rows(index)`` makes the contribution's canonical digits of the given
+                rows (dim 0) only, ``(len(index), *param.shape[1:], 19)`` (a dense contribution, a
+                Linear's dW). Under eager rounding, a first contribution of two that offers it waits
+                (as its operands) for the second, instead of making the parameter's digits.
+            row_sums: optional; makes ``(row, sums)``: the contribution is zero outside the rows
+                listed in ``row`` (int64 ``(n,)``, each row at most once; ``param.shape[0]`` marks
+                an entry that goes nowhere, its sums zero), ``sums`` their canonical digits
+                ``(n, *param.shape[1:], 19)`` (an embedding's occurring rows). The last contribution
+                of a waiting dense one completes it with these rows: no digits of the whole shape.
         """
         entry = self._uses.get(id(param))
         uses = entry[1] if entry is not None and entry[0] is param else 0
@@ -191,6 +219,15 @@ class StepState:
                 "retained graph or a recomputed checkpoint segment does that. Construct the strategy with "
                 "eager_rounding=False to keep every gradient as digits until the step."
             )
+        waiting = self._waiting.pop(id(param), None)
+        if waiting is not None and waiting[0] is param:
+            if row_sums is not None and uses == 1:
+                self._rounded[id(param)] = (param, _dense_with_rows(param, waiting[2], waiting[3], row_sums))
+                return
+            self.add_grad_digits(param, waiting[1](), take=True)  # not the pair it waited for
+        elif self.eager and uses > 1 and rows is not None and self.grad_digits(param) is None:
+            self._waiting[id(param)] = [param, digits, rounded, rows]
+            return
         if self.eager and uses == 1 and self.grad_digits(param) is None:
             self._rounded[id(param)] = (param, rounded())
             return
@@ -266,6 +303,24 @@ class StepState:
         its 1/N scale)."""
         used, self.global_mean_used = self.global_mean_used, False
         return used
+
+
+def _dense_with_rows(param: torch.Tensor, rounded: Callable[[], torch.Tensor],
+                     rows: Callable[[torch.Tensor], LongAcc],
+                     row_sums: Callable[[], Tuple[torch.Tensor, LongAcc]]) -> torch.Tensor:
+    """A dense contribution (``rounded``, ``rows``) plus a sparse one (``row_sums``) rounded once,
+    as the parameter's gradient: each listed row from both contributions' digits, every other row
+    as the dense one alone rounds it (the same exact sum). Entries that go nowhere are written to a
+    spare row, dropped: no host synchronization."""
+    row, sums = row_sums()
+    n_rows = param.shape[0]
+    acc = rows(torch.where(row == n_rows, 0, row))
+    acc.add_(sums)  # two canonical accumulators: far inside every digit's headroom (longacc.h)
+    dense = rounded()
+    out = torch.empty((n_rows + 1, *dense.shape[1:]), dtype=dense.dtype, device=dense.device)
+    out[:n_rows].copy_(dense)
+    out.index_copy_(0, row, det_finalize(det_normalize(acc), dense.dtype))
+    return out[:n_rows]
 
 
 def _no_reduce(acc: LongAcc) -> LongAcc:

@@ -27,7 +27,8 @@ class GradSink(Protocol):
     def note_forward_use(self, *params: Optional[torch.Tensor]) -> None: ...
 
     def contribute(self, param: torch.Tensor, digits: Callable[[], LongAcc],
-                   rounded: Callable[[], torch.Tensor]) -> None: ...
+                   rounded: Callable[[], torch.Tensor], *,
+                   rows: Optional[Callable[[torch.Tensor], LongAcc]] = None) -> None: ...
 
 
 def _col_sums(a: torch.Tensor) -> LongAcc:
@@ -60,8 +61,11 @@ def linear_backward(gy2, x2, weight, bias, needs, plans, sink: Optional[GradSink
         # unrounded sums over every batch row, left for the owner of the step to round once
         # (or, when this is provably the only contribution, rounded here)
         if want_w:
+            # rows: dW's digits of some rows only (a weight tied to an embedding, which then
+            # touches a few rows: StepState.contribute)
             sink.contribute(weight, lambda: _ops().gemm_partial(g2t, x2.t(), None, 0, plans),
-                            lambda: _ops().gemm(g2t, x2.t(), None, w_dtype, plans))
+                            lambda: _ops().gemm(g2t, x2.t(), None, w_dtype, plans),
+                            rows=lambda idx: _ops().gemm_partial(g2t.index_select(0, idx), x2.t(), None, 0, plans))
         if want_b:
             sink.contribute(bias, lambda: _col_sums(gy2), lambda: det_finalize(_col_sums(gy2), b_dtype))
         return gx, None, None
