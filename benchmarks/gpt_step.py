@@ -2,6 +2,7 @@
 
     python benchmarks/gpt_step.py                 # CUDA, GPT-2-small shape: the binding run
     python benchmarks/gpt_step.py --tiny          # a tiny shape on the CPU, under a minute (a smoke run)
+    python benchmarks/gpt_step.py --tie-head --runs plain-bf16,det-bf16   # beside it: the head tied
 
 Model: examples/gpt_char.py's (nn.Embedding tokens and positions, pre-LN blocks with causal
 multi-head self-attention and a GELU MLP, a final LayerNorm and a Linear head), d_model 768, 12
@@ -28,6 +29,10 @@ Writes benchmarks/results/<device>-gpt_step.json (or --out) with every row, the 
 `summary`: bf16_step_ratio and fp32_step_ratio (det / plain step time), bf16_memory_ratio and
 fp32_memory_ratio (det / plain peak memory), digest_overhead (det-bf16-digest / det-bf16 step
 time - 1).
+
+--tie-head ties the head's weight to the token embedding's (Hugging Face GPT-2's tying: that
+weight then has two contributions a step, the head's dW and the embedding's rows) in every run;
+it writes <device>-gpt_step_tied.json by default. A shape beside the binding one, never instead.
 """
 from __future__ import annotations
 
@@ -172,6 +177,8 @@ def run(name, det, precision, optimizer, shape, ds, vocab, args, restore_plain, 
                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
                         callbacks=callbacks)
     module = Module(margs, vocab)
+    if args.tie_head:
+        module.model.head.weight = module.model.tok.weight
     t0 = time.perf_counter()
     trainer.fit(module, loader)
     wall = time.perf_counter() - t0
@@ -209,7 +216,9 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--runs", default=",".join(r[0] for r in RUNS), help="comma list, a subset of the runs")
-    p.add_argument("--out", default=None, help="results path (default benchmarks/results/<device>-gpt_step.json)")
+    p.add_argument("--tie-head", action="store_true", help="the head's weight is the token embedding's (as GPT-2's)")
+    p.add_argument("--out", default=None, help="results path (default benchmarks/results/<device>-gpt_step.json, "
+                   "<device>-gpt_step_tied.json with --tie-head)")
     args = p.parse_args(argv)
     args.device = args.device or ("cpu" if args.tiny else "cuda")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -249,10 +258,11 @@ def main(argv=None) -> None:
                "digest_overhead": None}
     if get("det-bf16-digest", "step_ms") and get("det-bf16", "step_ms"):
         summary["digest_overhead"] = round(by["det-bf16-digest"]["step_ms"] / by["det-bf16"]["step_ms"] - 1, 4)
-    model = {"model": "examples/gpt_char.py CharGPT", "tiny": args.tiny, **shape,
+    model = {"model": "examples/gpt_char.py CharGPT", "tiny": args.tiny, "tied_head": args.tie_head, **shape,
              "tokenizer": "stdlib .py text: words, punctuation, whitespace runs; top vocab-1 + <unk>",
              "tokens": n_tokens, "unk_share": round(unk, 4), "parameters": rows[0]["parameters"] if rows else None}
-    out = write("gpt_step", args.device, rows, extra={"shape": model, "summary": summary}, path=args.out)
+    out = write("gpt_step_tied" if args.tie_head else "gpt_step", args.device, rows,
+                extra={"shape": model, "summary": summary}, path=args.out)
     print(f"summary {summary}\nwrote {out}")
 
 
