@@ -353,8 +353,8 @@ __device__ __forceinline__ void load_row_stats(float* m_s, float* r_s, float* d_
 }
 
 // Blocks of dq a multiprocessor holds at once: two at head dimension 64, where two fit the shared
-// memory and a 128-register cap costs a few spills (uncapped it takes 168 registers, one block, and
-// ran 1.2x slower on an H100: its loads and barriers had no other block's work to hide behind).
+// memory and the 128-register cap spills nothing (ptxas; uncapped it takes 168 registers, so one
+// block, whose loads and barriers then have no other block's work to hide behind).
 template <int EP>
 constexpr int kBwdQMinBlocks = EP == 64 ? 2 : 1;
 
