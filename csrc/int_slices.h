@@ -272,8 +272,9 @@ __device__ __forceinline__ bool round_u128_f32_normal(u128 mag, int E, float* ou
 // the value and its rounding are normal numbers of the format (leading exponent in [emin, emax]),
 // into *out as the fp32 of that value (exact: the format's normal numbers are fp32's); false
 // otherwise (subnormal, overflow: round_int128 decides those). The same rounding as round_int128
-// on that range, in 64-bit integer steps on top64_sticky. round_int128's 128-bit shifts cost the
-// combine ~670 instructions an output; bf16 and fp16 outputs (and fp32 on the CPU) take this.
+// on that range, in 64-bit integer steps on top64_sticky: to bf16, 68 PTX instructions in a
+// one-output kernel where round_int128 takes 113 (sm_90). bf16 and fp16 outputs (and fp32 on the
+// CPU) take this.
 LDET_HD bool round_u128_normal(u128 mag, int E, int prec, int emin, int emax, float* out) {
   int s;
   const uint64_t top = top64_sticky(mag, &s);
