@@ -119,8 +119,10 @@ def plain_settings():
     return restore
 
 
-def run(name, det, precision, optimizer, shape, ds, vocab, args, restore_plain, extra_callbacks=()) -> dict:
-    """One run of RUNS; ``extra_callbacks`` join the Trainer's (benchmarks/tools/step_timeline.py profiles with one)."""
+def run(name, det, precision, optimizer, shape, ds, vocab, args, restore_plain, extra_callbacks=(),
+        tie_head=False) -> dict:
+    """One run of RUNS; ``extra_callbacks`` join the Trainer's (benchmarks/tools/step_timeline.py profiles with one);
+    ``tie_head``: the head's weight is the token embedding's."""
     import lightning as L
 
     import _real_data
@@ -177,7 +179,7 @@ def run(name, det, precision, optimizer, shape, ds, vocab, args, restore_plain, 
                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
                         callbacks=callbacks)
     module = Module(margs, vocab)
-    if args.tie_head:
+    if tie_head:
         module.model.head.weight = module.model.tok.weight
     t0 = time.perf_counter()
     trainer.fit(module, loader)
@@ -245,7 +247,8 @@ def main(argv=None) -> None:
     print(f"gpt_step: {n_tokens} tokens ({unk:.1%} <unk>), vocab {shape['vocab']}, {len(ds)} windows "
           f"({time.perf_counter() - t0:.0f} s); shape {shape}", flush=True)
     restore_plain = plain_settings()
-    rows = [run(*spec, shape, ds, shape["vocab"], args, restore_plain) for spec in RUNS if spec[0] in chosen]
+    rows = [run(*spec, shape, ds, shape["vocab"], args, restore_plain, tie_head=args.tie_head)
+            for spec in RUNS if spec[0] in chosen]
     by = {r["run"]: r for r in rows}
 
     def get(run_name, key):

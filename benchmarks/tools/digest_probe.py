@@ -69,7 +69,7 @@ def main() -> None:
     cuda = not args.tiny
     ids, _ = gpt_step.stdlib_tokens(shape["max_chars"], shape["vocab"])
     ds = gpt_step.Windows(ids, shape["seq_len"])
-    run_args = argparse.Namespace(device="cuda" if cuda else "cpu", seed=0, lr=3e-4, tie_head=False)
+    run_args = argparse.Namespace(device="cuda" if cuda else "cpu", seed=0, lr=3e-4)
     restore = gpt_step.plain_settings()
     rows = [gpt_step.run(name, det, prec, opt, shape, ds, shape["vocab"], run_args, restore)
             for name, det, prec, opt in gpt_step.RUNS if name in ("det-bf16", "det-bf16-digest")]

@@ -86,7 +86,7 @@ def main(argv=None) -> None:
 
     shape = {**(gpt_step.TINY if a.tiny else gpt_step.GPT2_SMALL), "steps": a.steps}
     ids, _ = gpt_step.stdlib_tokens(shape["max_chars"], shape["vocab"])
-    args = argparse.Namespace(device=a.device, seed=0, lr=3e-4, tie_head=False)
+    args = argparse.Namespace(device=a.device, seed=0, lr=3e-4)
     optimizer = "adamwsr" if a.precision == "bf16-true" else "adamw"
     gpt_step.run("det", True, a.precision, optimizer, shape, gpt_step.Windows(ids, shape["seq_len"]),
                  shape["vocab"], args, gpt_step.plain_settings(), extra_callbacks=[CountLast()])

@@ -76,7 +76,7 @@ def run_profiled_gpt(layers: int):
 
     shape = {**gpt_step.GPT2_SMALL, "steps": PROFILED[1] + 1, "n_layers": layers}
     ids, _ = gpt_step.stdlib_tokens(shape["max_chars"], shape["vocab"])
-    args = argparse.Namespace(device="cuda", seed=0, lr=3e-4, tie_head=False)
+    args = argparse.Namespace(device="cuda", seed=0, lr=3e-4)
     cb = _profiler_callback()
     gpt_step.run("det-bf16", True, "bf16-true", "adamwsr", shape, gpt_step.Windows(ids, shape["seq_len"]),
                  shape["vocab"], args, gpt_step.plain_settings(), extra_callbacks=[cb])
