@@ -115,11 +115,14 @@ __device__ __forceinline__ void load_rows(float* dst, int ld, int rows, int cols
   }
 }
 
-// The same rows stored transposed: dst[c * ld + r].
+// The same rows stored transposed: dst[c * ld + r]. Consecutive threads take consecutive elements
+// of a row, so a warp's global reads coalesce; its shared stores, ld apart (ld = rows + 4, a
+// multiple of 4 words), meet four to a bank. Taking consecutive rows instead had each warp read
+// 32 rows: 32 cache lines a load, as many L1 wavefronts as the tile's arithmetic took cycles.
 __device__ __forceinline__ void load_rows_t(float* dst, int ld, int rows, int cols, const void* src, int64_t base,
                                             int64_t row_stride, int n_rows, int width, int dt) {
   for (int idx = threadIdx.x; idx < rows * cols; idx += kThreads) {
-    const int r = idx % rows, c = idx / rows;
+    const int r = idx / cols, c = idx % cols;
     dst[c * ld + r] = (r < n_rows && c < width) ? attn::load(src, base + r * row_stride + c, dt) : 0.0f;
   }
 }
