@@ -127,6 +127,66 @@ __device__ __forceinline__ void load_rows_t(float* dst, int ld, int rows, int co
   }
 }
 
+// A thread's share of a ROWS x COLS tile (rows at src + base + r * row_stride, zero beyond
+// (n_rows, width)), held in registers between its global loads and its shared stores: a kernel
+// fetches the next tile before it works on the current one, so the loads' latency passes under
+// that work instead of stalling every thread at the barrier. Elements are taken as load_rows
+// and load_rows_t take them (consecutive threads along a row).
+template <int ROWS, int COLS>
+struct TileRegs {
+  static constexpr int N = ROWS * COLS / kThreads;
+  static_assert(N * kThreads == ROWS * COLS, "tile does not split over the threads");
+  float v[N];
+  __device__ __forceinline__ void fetch(const void* src, int64_t base, int64_t row_stride, int n_rows, int width,
+                                        int dt) {
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+      const int idx = int(threadIdx.x) + e * kThreads, r = idx / COLS, c = idx % COLS;
+      v[e] = (r < n_rows && c < width) ? attn::load(src, base + r * row_stride + c, dt) : 0.0f;
+    }
+  }
+  __device__ __forceinline__ void store(float* dst, int ld) const {  // dst[r * ld + c]
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+      const int idx = int(threadIdx.x) + e * kThreads;
+      dst[(idx / COLS) * ld + idx % COLS] = v[e];
+    }
+  }
+  __device__ __forceinline__ void store_t(float* dst, int ld) const {  // dst[c * ld + r]
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+      const int idx = int(threadIdx.x) + e * kThreads;
+      dst[(idx % COLS) * ld + idx / COLS] = v[e];
+    }
+  }
+};
+
+// A ROWS x COLS tile into dst[r * ld + c] and, from the same loads, transposed into
+// dst_t[c * ld_t + r]: the layouts load_rows and load_rows_t give, from one read of the tile.
+// Eight loads are in flight at a time (all of a thread's share would take registers that the
+// callers' accumulators need).
+template <int ROWS, int COLS>
+__device__ __forceinline__ void load_tile2(float* dst, int ld, float* dst_t, int ld_t, const void* src, int64_t base,
+                                           int64_t row_stride, int n_rows, int width, int dt) {
+  constexpr int N = ROWS * COLS / kThreads, G = N < 8 ? N : 8;
+  static_assert(N * kThreads == ROWS * COLS && N % G == 0, "tile does not split over the threads");
+#pragma unroll 1
+  for (int e0 = 0; e0 < N; e0 += G) {
+    float v[G];
+#pragma unroll
+    for (int e = 0; e < G; ++e) {
+      const int idx = int(threadIdx.x) + (e0 + e) * kThreads, r = idx / COLS, c = idx % COLS;
+      v[e] = (r < n_rows && c < width) ? attn::load(src, base + r * row_stride + c, dt) : 0.0f;
+    }
+#pragma unroll
+    for (int e = 0; e < G; ++e) {
+      const int idx = int(threadIdx.x) + (e0 + e) * kThreads, r = idx / COLS, c = idx % COLS;
+      dst[r * ld + c] = v[e];
+      dst_t[c * ld_t + r] = v[e];
+    }
+  }
+}
+
 __device__ __forceinline__ int64_t q_base(const attn::Shape& s, int64_t b, int64_t h) { return b * s.q_sb + h * s.q_sh; }
 __device__ __forceinline__ int64_t k_base(const attn::Shape& s, int64_t b, int64_t hk) { return b * s.k_sb + hk * s.k_sh; }
 __device__ __forceinline__ int64_t v_base(const attn::Shape& s, int64_t b, int64_t hk) { return b * s.v_sb + hk * s.v_sh; }
@@ -223,13 +283,30 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(AttnLaunch a, const 
   float out[OL::TM][4];
   zero_acc(out);
   const int oty = tid / OL::TX, otx = tid % OL::TX;
+  // At head dimension 64 the next key tile is fetched while this one is worked on (kFetchAhead:
+  // ptxas keeps that variant at 128 registers, two blocks a multiprocessor; at 128 it would need 232)
+  constexpr bool kFetchAhead = EP == 64;
+  TileRegs<BK, EP> k_next, v_next;
+  auto fetch_kv = [&](int kt) {
+    const int64_t j0 = int64_t(kt) * BK;
+    const int nk = int(imin(BK, s.Lk - j0));
+    k_next.fetch(k, k_base(s, b, hk) + j0 * s.k_sl, s.k_sl, nk, int(s.E), s.dtype);
+    v_next.fetch(v, v_base(s, b, hk) + j0 * s.v_sl, s.v_sl, nk, int(s.Ev), s.dtype);
+  };
+  if (kFetchAhead && n_kt > 0) fetch_kv(0);
   for (int kt = 0; kt < n_kt; ++kt) {
     const int64_t j0 = int64_t(kt) * BK;
-    __syncthreads();
     const int nk = int(imin(BK, s.Lk - j0));
-    load_rows(k_r, LDE, BK, EP, k, k_base(s, b, hk) + j0 * s.k_sl, s.k_sl, nk, int(s.E), s.dtype);
-    load_rows_t(v_t, LDK, BK, EP, v, v_base(s, b, hk) + j0 * s.v_sl, s.v_sl, nk, int(s.Ev), s.dtype);
     __syncthreads();
+    if constexpr (kFetchAhead) {
+      k_next.store(k_r, LDE);
+      v_next.store_t(v_t, LDK);
+    } else {
+      load_rows(k_r, LDE, BK, EP, k, k_base(s, b, hk) + j0 * s.k_sl, s.k_sl, nk, int(s.E), s.dtype);
+      load_rows_t(v_t, LDK, BK, EP, v, v_base(s, b, hk) + j0 * s.v_sl, s.v_sl, nk, int(s.Ev), s.dtype);
+    }
+    __syncthreads();
+    if (kFetchAhead && kt + 1 < n_kt) fetch_kv(kt + 1);
     float acc[SL::TM][4];
     zero_acc(acc);
     mm<SL::TM, SL::TX, false>(acc, q_r, LDE, k_r, LDE, EP, sty, stx);
@@ -399,9 +476,8 @@ __global__ void __launch_bounds__(kThreads, kBwdQMinBlocks<EP>)
     const int64_t j0 = int64_t(kt) * BK;
     const int nk = int(imin(BK, s.Lk - j0));
     __syncthreads();
-    load_rows(k_r, LDE, BK, EP, k, k_base(s, b, hk) + j0 * s.k_sl, s.k_sl, nk, int(s.E), s.dtype);
+    load_tile2<BK, EP>(k_r, LDE, k_t, LDK, k, k_base(s, b, hk) + j0 * s.k_sl, s.k_sl, nk, int(s.E), s.dtype);
     load_rows(v_r, LDE, BK, EP, v, v_base(s, b, hk) + j0 * s.v_sl, s.v_sl, nk, int(s.Ev), s.dtype);
-    load_rows_t(k_t, LDK, BK, EP, k, k_base(s, b, hk) + j0 * s.k_sl, s.k_sl, nk, int(s.E), s.dtype);
     __syncthreads();
     grad_tile<EP, BQ, BK>(a, b, h, i0, j0, q_r, do_r, k_r, v_r, m_s, r_s, d_s,
                           [&](int il, int jl, float, float ds) { ds_r[il * LDK + jl] = ds; });
@@ -475,10 +551,8 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_kv_kernel(AttnLaunch a, con
       const int nq = int(imin(BQ, s.Lq - i0));
       const int64_t row0 = (b * s.H + h) * s.Lq + i0;
       __syncthreads();
-      load_rows(q_r, LDE, BQ, EP, q, q_base(s, b, h) + i0 * s.q_sl, s.q_sl, nq, int(s.E), s.dtype);
-      load_rows(do_r, LDE, BQ, EP, dout, row0 * s.Ev, s.Ev, nq, int(s.Ev), s.dtype);
-      load_rows_t(q_t, LDQ, BQ, EP, q, q_base(s, b, h) + i0 * s.q_sl, s.q_sl, nq, int(s.E), s.dtype);
-      load_rows_t(do_t, LDQ, BQ, EP, dout, row0 * s.Ev, s.Ev, nq, int(s.Ev), s.dtype);
+      load_tile2<BQ, EP>(q_r, LDE, q_t, LDQ, q, q_base(s, b, h) + i0 * s.q_sl, s.q_sl, nq, int(s.E), s.dtype);
+      load_tile2<BQ, EP>(do_r, LDE, do_t, LDQ, dout, row0 * s.Ev, s.Ev, nq, int(s.Ev), s.dtype);
       load_row_stats(m_s, r_s, d_s, BQ, nq, stats, delta, row0);
       __syncthreads();
       grad_tile<EP, BQ, BK>(a, b, h, i0, j0, q_r, do_r, k_r, v_r, m_s, r_s, d_s, [&](int il, int jl, float pk, float ds) {
