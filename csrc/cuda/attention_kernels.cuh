@@ -127,36 +127,70 @@ __device__ __forceinline__ void load_rows_t(float* dst, int ld, int rows, int co
   }
 }
 
-// A thread's share of a ROWS x COLS tile (rows at src + base + r * row_stride, zero beyond
-// (n_rows, width)), held in registers between its global loads and its shared stores: a kernel
-// fetches the next tile before it works on the current one, so the loads' latency passes under
-// that work instead of stalling every thread at the barrier. Elements are taken as load_rows
-// and load_rows_t take them (consecutive threads along a row).
+// One 4-byte copy from global to shared memory that completes in the background (cp.async; a
+// plain copy where that does not exist, as in the CPU emulation); zeros when !valid (src is then
+// not read). copies_wait_all: this thread's copies have landed (a barrier then shows them to all).
+__device__ __forceinline__ void copy4_async(uint32_t* dst, const void* src, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 4 : 0) : "memory");
+#else
+  *dst = valid ? *static_cast<const uint32_t*>(src) : 0u;
+#endif
+}
+__device__ __forceinline__ void copies_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
+// Whether a 16-bit tensor's rows can be staged as 4-byte pairs: every row start and the width even,
+// the base 4-byte aligned.
+__device__ __forceinline__ bool pairs_ok(const void* p, int64_t sb, int64_t sh, int64_t sl, int64_t width, int dt) {
+  return dt != attn::kF32 && ((sb | sh | sl | width) & 1) == 0 && (reinterpret_cast<uintptr_t>(p) & 3) == 0;
+}
+
+// Two 16-bit elements (element c in the low half, c + 1 in the high), widened exactly to fp32.
+__device__ __forceinline__ float2 widen_pair(uint32_t w, int dt) {
+  if (dt == attn::kBF16) return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  return make_float2(attn::half_bits_to_float(uint16_t(w)), attn::half_bits_to_float(uint16_t(w >> 16)));
+}
+
+// A ROWS x COLS tile of 16-bit elements (rows at src + base + r * row_stride, zeros beyond
+// (n_rows, width)), copied asynchronously into shared words while the kernel works on the tile
+// before it, then widened into the fp32 tiles: the loads' latency passes under that work instead
+// of stalling every thread at the barrier (the kernels' largest stall when they loaded in place),
+// and takes no registers across it. Rows are COLS / 2 + 1 words apart, so the copies, the row
+// widening (a warp along a row) and the transposed widening (a warp down a column) meet no bank
+// twice.
 template <int ROWS, int COLS>
-struct TileRegs {
-  static constexpr int N = ROWS * COLS / kThreads;
-  static_assert(N * kThreads == ROWS * COLS, "tile does not split over the threads");
-  float v[N];
-  __device__ __forceinline__ void fetch(const void* src, int64_t base, int64_t row_stride, int n_rows, int width,
-                                        int dt) {
-#pragma unroll
-    for (int e = 0; e < N; ++e) {
-      const int idx = int(threadIdx.x) + e * kThreads, r = idx / COLS, c = idx % COLS;
-      v[e] = (r < n_rows && c < width) ? attn::load(src, base + r * row_stride + c, dt) : 0.0f;
+struct Stage {
+  static constexpr int W = COLS / 2, LDW = W + 1, kWords = ROWS * LDW;
+  uint32_t* w;
+  __device__ __forceinline__ void issue(const void* src, int64_t base, int64_t row_stride, int n_rows,
+                                        int width) const {
+    const uint16_t* p = static_cast<const uint16_t*>(src);
+#pragma unroll 1
+    for (int idx = threadIdx.x; idx < ROWS * W; idx += kThreads) {
+      const int r = idx / W, cw = idx % W, c = 2 * cw;
+      const bool in = r < n_rows && c < width;
+      copy4_async(w + r * LDW + cw, in ? p + base + r * row_stride + c : p, in);
     }
   }
-  __device__ __forceinline__ void store(float* dst, int ld) const {  // dst[r * ld + c]
-#pragma unroll
-    for (int e = 0; e < N; ++e) {
-      const int idx = int(threadIdx.x) + e * kThreads;
-      dst[(idx / COLS) * ld + idx % COLS] = v[e];
+  __device__ __forceinline__ void to_rows(float* dst, int ld, int dt) const {  // dst[r * ld + c]
+#pragma unroll 1
+    for (int idx = threadIdx.x; idx < ROWS * W; idx += kThreads) {
+      const int r = idx / W, cw = idx % W;
+      *reinterpret_cast<float2*>(dst + r * ld + 2 * cw) = widen_pair(w[r * LDW + cw], dt);
     }
   }
-  __device__ __forceinline__ void store_t(float* dst, int ld) const {  // dst[c * ld + r]
-#pragma unroll
-    for (int e = 0; e < N; ++e) {
-      const int idx = int(threadIdx.x) + e * kThreads;
-      dst[(idx % COLS) * ld + idx / COLS] = v[e];
+  __device__ __forceinline__ void to_cols(float* dst, int ld, int dt) const {  // dst[c * ld + r]
+#pragma unroll 1
+    for (int idx = threadIdx.x; idx < ROWS * W; idx += kThreads) {
+      const int r = idx % ROWS, cw = idx / ROWS;
+      const float2 f = widen_pair(w[r * LDW + cw], dt);
+      dst[2 * cw * ld + r] = f.x;
+      dst[(2 * cw + 1) * ld + r] = f.y;
     }
   }
 };
@@ -221,9 +255,23 @@ __device__ __forceinline__ bool allowed(const AttnLaunch& a, int64_t b, int64_t 
   return i < a.shape.Lq && j < a.shape.Lk && a.mask.allowed(b, h, i, j);
 }
 
+// Which kernels stage their 16-bit tiles (Stage), by head dimension class: where the stages fit
+// beside the tiles without costing a block a multiprocessor. Two blocks stay: the forward at 64
+// and 128, dk/dv at 64, dq at 64 with k staged and v loaded in place. dq at 128 holds one block
+// with or without its stages; dk/dv at 128 would drop to one. At 256 the tiles alone take most
+// of the shared memory.
+template <int EP>
+constexpr bool kFwdStaged = EP <= 128;
+template <int EP>
+constexpr bool kKvStaged = EP == 64;
+template <int EP>
+constexpr bool kQStagedK = EP <= 128;
+template <int EP>
+constexpr bool kQStagedV = EP == 128;
+
 // ------------------------------------------------------------------------------------------------
 // Forward. Shared: q_r [FQ][EP+4], k_r [FK][EP+4], v_t [EP][FK+4], w_r [FQ][FK+4], e_r [FQ][FK+4]
-// (dropout only), m_s, r_s [FQ].
+// (dropout only), m_s, r_s [FQ], then the stages of k and v (kFwdStaged).
 template <int EP>
 __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(AttnLaunch a, const void* __restrict__ q,
                                                              const void* __restrict__ k, const void* __restrict__ v,
@@ -248,17 +296,34 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(AttnLaunch a, const 
             s.dtype);
   const int n_kt = key_tiles(a, i0, BQ, BK);
   const int sty = tid / SL::TX, stx = tid % SL::TX;
+  // 16-bit k and v go through the stages (kFwdStaged); fp32 or odd layouts load in place
+  using KStage = Stage<BK, EP>;
+  const KStage sk{reinterpret_cast<uint32_t*>(r_s + BQ)}, sv{sk.w + KStage::kWords};
+  const bool staged = kFwdStaged<EP> && pairs_ok(k, s.k_sb, s.k_sh, s.k_sl, s.E, s.dtype) &&
+                      pairs_ok(v, s.v_sb, s.v_sh, s.v_sl, s.Ev, s.dtype);
+  auto issue = [&](int kt, bool with_v) {
+    const int64_t j0 = int64_t(kt) * BK;
+    const int nk = int(imin(BK, s.Lk - j0));
+    sk.issue(k, k_base(s, b, hk) + j0 * s.k_sl, s.k_sl, nk, int(s.E));
+    if (with_v) sv.issue(v, v_base(s, b, hk) + j0 * s.v_sl, s.v_sl, nk, int(s.Ev));
+  };
 
   // pass 1: m_i, over allowed keys (NaN ignored); the max has no order
   float mrow[SL::TM];
 #pragma unroll
   for (int r = 0; r < SL::TM; ++r) mrow[r] = -INFINITY;
+  if (staged && n_kt > 0) issue(0, false);
   for (int kt = 0; kt < n_kt; ++kt) {
     const int64_t j0 = int64_t(kt) * BK;
+    copies_wait_all();
     __syncthreads();
-    load_rows(k_r, LDE, BK, EP, k, k_base(s, b, hk) + j0 * s.k_sl, s.k_sl, int(imin(BK, s.Lk - j0)),
-              int(s.E), s.dtype);
+    if (staged)
+      sk.to_rows(k_r, LDE, s.dtype);
+    else
+      load_rows(k_r, LDE, BK, EP, k, k_base(s, b, hk) + j0 * s.k_sl, s.k_sl, int(imin(BK, s.Lk - j0)), int(s.E),
+                s.dtype);
     __syncthreads();
+    if (staged && kt + 1 < n_kt) issue(kt + 1, false);
     float acc[SL::TM][4];
     zero_acc(acc);
     mm<SL::TM, SL::TX, false>(acc, q_r, LDE, k_r, LDE, EP, sty, stx);
@@ -283,30 +348,21 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(AttnLaunch a, const 
   float out[OL::TM][4];
   zero_acc(out);
   const int oty = tid / OL::TX, otx = tid % OL::TX;
-  // At head dimension 64 the next key tile is fetched while this one is worked on (kFetchAhead:
-  // ptxas keeps that variant at 128 registers, two blocks a multiprocessor; at 128 it would need 232)
-  constexpr bool kFetchAhead = EP == 64;
-  TileRegs<BK, EP> k_next, v_next;
-  auto fetch_kv = [&](int kt) {
-    const int64_t j0 = int64_t(kt) * BK;
-    const int nk = int(imin(BK, s.Lk - j0));
-    k_next.fetch(k, k_base(s, b, hk) + j0 * s.k_sl, s.k_sl, nk, int(s.E), s.dtype);
-    v_next.fetch(v, v_base(s, b, hk) + j0 * s.v_sl, s.v_sl, nk, int(s.Ev), s.dtype);
-  };
-  if (kFetchAhead && n_kt > 0) fetch_kv(0);
+  if (staged && n_kt > 0) issue(0, true);
   for (int kt = 0; kt < n_kt; ++kt) {
     const int64_t j0 = int64_t(kt) * BK;
     const int nk = int(imin(BK, s.Lk - j0));
+    copies_wait_all();
     __syncthreads();
-    if constexpr (kFetchAhead) {
-      k_next.store(k_r, LDE);
-      v_next.store_t(v_t, LDK);
+    if (staged) {
+      sk.to_rows(k_r, LDE, s.dtype);
+      sv.to_cols(v_t, LDK, s.dtype);
     } else {
       load_rows(k_r, LDE, BK, EP, k, k_base(s, b, hk) + j0 * s.k_sl, s.k_sl, nk, int(s.E), s.dtype);
       load_rows_t(v_t, LDK, BK, EP, v, v_base(s, b, hk) + j0 * s.v_sl, s.v_sl, nk, int(s.Ev), s.dtype);
     }
     __syncthreads();
-    if (kFetchAhead && kt + 1 < n_kt) fetch_kv(kt + 1);
+    if (staged && kt + 1 < n_kt) issue(kt + 1, true);
     float acc[SL::TM][4];
     zero_acc(acc);
     mm<SL::TM, SL::TX, false>(acc, q_r, LDE, k_r, LDE, EP, sty, stx);
@@ -360,7 +416,7 @@ template <int EP>
 constexpr size_t fwd_smem() {
   constexpr int BQ = Tiles<EP>::FQ, BK = Tiles<EP>::FK;
   return sizeof(float) * (size_t(BQ) * ld_of(EP) + size_t(BK) * ld_of(EP) + size_t(EP) * ld_of(BK) +
-                          2 * size_t(BQ) * ld_of(BK) + 2 * BQ);
+                          2 * size_t(BQ) * ld_of(BK) + 2 * BQ + (kFwdStaged<EP> ? 2 * Stage<BK, EP>::kWords : 0));
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -440,7 +496,7 @@ constexpr int kBwdQMinBlocks = EP == 64 ? 2 : 1;
 
 // ------------------------------------------------------------------------------------------------
 // dq. Shared: q_r, do_r [BQ][EP+4], k_r, v_r [BK][EP+4], k_t [EP][BK+4], ds_r [BQ][BK+4],
-// m_s, r_s, d_s [BQ].
+// m_s, r_s, d_s [BQ], then the stages of k and v (kQStagedK, kQStagedV).
 template <int EP>
 __global__ void __launch_bounds__(kThreads, kBwdQMinBlocks<EP>)
     attn_bwd_q_kernel(AttnLaunch a, const void* __restrict__ q, const void* __restrict__ k, const void* __restrict__ v,
@@ -472,13 +528,35 @@ __global__ void __launch_bounds__(kThreads, kBwdQMinBlocks<EP>)
   const int qty = tid / QL::TX, qtx = tid % QL::TX;
   float acc_q[QL::TM][4];
   zero_acc(acc_q);
+  // 16-bit k (and at 128 v) through the stages (kQStagedK, kQStagedV)
+  using KStage = Stage<BK, EP>;
+  const KStage sk{reinterpret_cast<uint32_t*>(d_s + BQ)}, sv{sk.w + KStage::kWords};
+  const bool stage_k = kQStagedK<EP> && pairs_ok(k, s.k_sb, s.k_sh, s.k_sl, s.E, s.dtype);
+  const bool stage_v = kQStagedV<EP> && pairs_ok(v, s.v_sb, s.v_sh, s.v_sl, s.Ev, s.dtype);
+  auto issue = [&](int kt) {
+    const int64_t j0 = int64_t(kt) * BK;
+    const int nk = int(imin(BK, s.Lk - j0));
+    if (stage_k) sk.issue(k, k_base(s, b, hk) + j0 * s.k_sl, s.k_sl, nk, int(s.E));
+    if (stage_v) sv.issue(v, v_base(s, b, hk) + j0 * s.v_sl, s.v_sl, nk, int(s.Ev));
+  };
+  if (n_kt > 0) issue(0);
   for (int kt = 0; kt < n_kt; ++kt) {
     const int64_t j0 = int64_t(kt) * BK;
     const int nk = int(imin(BK, s.Lk - j0));
+    copies_wait_all();
     __syncthreads();
-    load_tile2<BK, EP>(k_r, LDE, k_t, LDK, k, k_base(s, b, hk) + j0 * s.k_sl, s.k_sl, nk, int(s.E), s.dtype);
-    load_rows(v_r, LDE, BK, EP, v, v_base(s, b, hk) + j0 * s.v_sl, s.v_sl, nk, int(s.Ev), s.dtype);
+    if (stage_k) {
+      sk.to_rows(k_r, LDE, s.dtype);
+      sk.to_cols(k_t, LDK, s.dtype);
+    } else {
+      load_tile2<BK, EP>(k_r, LDE, k_t, LDK, k, k_base(s, b, hk) + j0 * s.k_sl, s.k_sl, nk, int(s.E), s.dtype);
+    }
+    if (stage_v)
+      sv.to_rows(v_r, LDE, s.dtype);
+    else
+      load_rows(v_r, LDE, BK, EP, v, v_base(s, b, hk) + j0 * s.v_sl, s.v_sl, nk, int(s.Ev), s.dtype);
     __syncthreads();
+    if (kt + 1 < n_kt) issue(kt + 1);
     grad_tile<EP, BQ, BK>(a, b, h, i0, j0, q_r, do_r, k_r, v_r, m_s, r_s, d_s,
                           [&](int il, int jl, float, float ds) { ds_r[il * LDK + jl] = ds; });
     __syncthreads();
@@ -503,12 +581,13 @@ template <int EP>
 constexpr size_t bwd_q_smem() {
   constexpr int BQ = Tiles<EP>::FQ, BK = Tiles<EP>::FK;
   return sizeof(float) * (2 * size_t(BQ) * ld_of(EP) + 2 * size_t(BK) * ld_of(EP) + size_t(EP) * ld_of(BK) +
-                          size_t(BQ) * ld_of(BK) + 3 * BQ);
+                          size_t(BQ) * ld_of(BK) + 3 * BQ +
+                          (int(kQStagedK<EP>) + int(kQStagedV<EP>)) * Stage<BK, EP>::kWords);
 }
 
 // ------------------------------------------------------------------------------------------------
 // dk, dv. Shared: k_r, v_r [BK][EP+4] (the CTA's keys), q_r, do_r [BQ][EP+4], q_t, do_t
-// [EP][BQ+4], pk_t, ds_t [BK][BQ+4], m_s, r_s, d_s [BQ].
+// [EP][BQ+4], pk_t, ds_t [BK][BQ+4], m_s, r_s, d_s [BQ], then the stages of q and dO (kKvStaged).
 template <int EP>
 __global__ void __launch_bounds__(kThreads) attn_bwd_kv_kernel(AttnLaunch a, const void* __restrict__ q,
                                                                 const void* __restrict__ k, const void* __restrict__ v,
@@ -544,17 +623,43 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_kv_kernel(AttnLaunch a, con
   zero_acc(acc_v);
   const int64_t qt0 = a.mask.causal ? j0 / BQ : 0;  // queries before the first key see none of it
   const int64_t n_qt = (s.Lq + BQ - 1) / BQ;
+  // 16-bit q and dO of the next (head, query tile) through the stages (kKvStaged)
+  using QStage = Stage<BQ, EP>;
+  const QStage sq{reinterpret_cast<uint32_t*>(d_s + BQ)}, sdo{sq.w + QStage::kWords};
+  const bool staged = kKvStaged<EP> && pairs_ok(q, s.q_sb, s.q_sh, s.q_sl, s.E, s.dtype) &&
+                      pairs_ok(dout, s.H * s.Lq * s.Ev, s.Lq * s.Ev, s.Ev, s.Ev, s.dtype);
+  auto issue = [&](int64_t hh, int64_t qt) {
+    const int64_t h = hk * group + hh, i0 = qt * BQ;
+    const int nq = int(imin(BQ, s.Lq - i0));
+    sq.issue(q, q_base(s, b, h) + i0 * s.q_sl, s.q_sl, nq, int(s.E));
+    sdo.issue(dout, ((b * s.H + h) * s.Lq + i0) * s.Ev, s.Ev, nq, int(s.Ev));
+  };
+  if (staged && qt0 < n_qt) issue(0, qt0);
   for (int64_t hh = 0; hh < group; ++hh) {
     const int64_t h = hk * group + hh;
     for (int64_t qt = qt0; qt < n_qt; ++qt) {
       const int64_t i0 = qt * BQ;
       const int nq = int(imin(BQ, s.Lq - i0));
       const int64_t row0 = (b * s.H + h) * s.Lq + i0;
+      copies_wait_all();
       __syncthreads();
-      load_tile2<BQ, EP>(q_r, LDE, q_t, LDQ, q, q_base(s, b, h) + i0 * s.q_sl, s.q_sl, nq, int(s.E), s.dtype);
-      load_tile2<BQ, EP>(do_r, LDE, do_t, LDQ, dout, row0 * s.Ev, s.Ev, nq, int(s.Ev), s.dtype);
+      if (staged) {
+        sq.to_rows(q_r, LDE, s.dtype);
+        sq.to_cols(q_t, LDQ, s.dtype);
+        sdo.to_rows(do_r, LDE, s.dtype);
+        sdo.to_cols(do_t, LDQ, s.dtype);
+      } else {
+        load_tile2<BQ, EP>(q_r, LDE, q_t, LDQ, q, q_base(s, b, h) + i0 * s.q_sl, s.q_sl, nq, int(s.E), s.dtype);
+        load_tile2<BQ, EP>(do_r, LDE, do_t, LDQ, dout, row0 * s.Ev, s.Ev, nq, int(s.Ev), s.dtype);
+      }
       load_row_stats(m_s, r_s, d_s, BQ, nq, stats, delta, row0);
       __syncthreads();
+      if (staged) {
+        if (qt + 1 < n_qt)
+          issue(hh, qt + 1);
+        else if (hh + 1 < group)
+          issue(hh + 1, qt0);
+      }
       grad_tile<EP, BQ, BK>(a, b, h, i0, j0, q_r, do_r, k_r, v_r, m_s, r_s, d_s, [&](int il, int jl, float pk, float ds) {
         pk_t[jl * LDQ + il] = pk;
         ds_t[jl * LDQ + il] = ds;
@@ -614,7 +719,7 @@ template <int EP>
 constexpr size_t bwd_kv_smem() {
   constexpr int BQ = Tiles<EP>::KQ, BK = Tiles<EP>::KK;
   return sizeof(float) * (2 * size_t(BK) * ld_of(EP) + 2 * size_t(BQ) * ld_of(EP) + 2 * size_t(EP) * ld_of(BQ) +
-                          2 * size_t(BK) * ld_of(BQ) + 3 * BQ);
+                          2 * size_t(BK) * ld_of(BQ) + 3 * BQ + (kKvStaged<EP> ? 2 * Stage<BQ, EP>::kWords : 0));
 }
 
 // ------------------------------------------------------------------------------------------------
