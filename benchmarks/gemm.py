@@ -1,7 +1,9 @@
 """det_gemm throughput against torch.mm, same shapes, same device, one run.
 
     python benchmarks/gemm.py                # CPU at 512^3, normal data
-    python benchmarks/gemm.py --device cuda  # GPU at 1024^3 and 4096^3: normal, real and wide data
+    python benchmarks/gemm.py --device cuda  # GPU at 1024^3 and 4096^3 (normal, real and wide data),
+                                             # then GPT-2-small's GEMMs on real data
+    python benchmarks/gemm.py --device cuda --sizes "" --shapes gpt2 --routes ""   # those GEMMs alone
     python benchmarks/gemm.py --sizes 256 --data normal,real --out /tmp/gemm.json
     python benchmarks/gemm.py --device cuda --sizes 4096 --data wide --dtypes float32 --routes fp64,kernel
 
@@ -35,6 +37,12 @@ Data kinds (--data), each an (M, K) x and an (N, K) w for det_gemm(x, w) = x @ w
           column j is source column j mod C (so K beyond the source width tiles each row; the
           capture has 4096 tokens, so wgrad's K up to 4096 is real tokens, untiled).
           The row's "source" says which layer, GEMM, source matrices and fill rule.
+--shapes gpt2 (the GPU's default; "" none): the 15 GEMMs of a GPT-2-small step at 8192 tokens,
+bf16, on real data: forward, dgrad and wgrad of each Linear (qkv 768 -> 2304, attention projection
+768 -> 768, MLP 768 -> 3072 and 3072 -> 768, head 768 -> 50304), each with the values of the
+gpt_char Linear of the same role (blocks.1.attn.qkv, blocks.1.attn.proj, blocks.1.mlp.0,
+blocks.1.mlp.2, head) filled to the shape as above. Rounded to bf16 (out_dtype) like the step's
+forward and dgrad GEMMs and like torch.mm bf16, the baseline; the row's "shape" names the Linear.
 x_log2_span / w_log2_span: log2(max |v|) - log2(min nonzero |v|) of the operand as benchmarked,
 the exponent spread the exact fast path has to cover.
 """
@@ -56,6 +64,20 @@ from lightning_det.ops import det_gemm, gemm_path, last_fp64_counts, last_slices
 
 
 DTYPES = {"normal": (torch.float32, torch.bfloat16), "wide": (torch.bfloat16,), "real": (torch.float32, torch.bfloat16)}
+# GPT-2-small's Linears at 8192 tokens: (name, gpt_char layer of the same role, in, out)
+GPT2_TOKENS = 8192
+GPT2_LINEARS = (("qkv", "blocks.1.attn.qkv", 768, 2304), ("attn_proj", "blocks.1.attn.proj", 768, 768),
+                ("mlp_up", "blocks.1.mlp.0", 768, 3072), ("mlp_down", "blocks.1.mlp.2", 3072, 768),
+                ("head", "head", 768, 50304))
+
+
+def gpt2_cases(tokens=GPT2_TOKENS):
+    """(x, w, source) per GEMM of GPT-2-small's step: each Linear's fwd, dgrad and wgrad as (M, N, K)."""
+    for name, layer, d_in, d_out in GPT2_LINEARS:
+        for gemm, (M, N, K) in (("fwd", (tokens, d_out, d_in)), ("dgrad", (tokens, d_in, d_out)),
+                                ("wgrad", (d_out, d_in, tokens))):
+            x, w, source = _real_data.operands(layer, gemm, M, N, K)
+            yield x, w, {**source, "shape": f"gpt2 {name} {gemm}"}
 
 
 def synthetic(kind, shape, seed):
@@ -86,35 +108,41 @@ def log2_span(t):
 ROUTES = ("kernel", "slices", "slices_diagonals", "slices_crt", "fp64")
 
 
-def bench(device, x, w, dtype, kind, source, repeat, timed_routes=ROUTES):
+def bench(device, x, w, dtype, kind, source, repeat, timed_routes=ROUTES, out_dtype=torch.float32):
     x, w = x.to(dtype).to(device), w.to(dtype).to(device)
     (M, K), N = x.shape, w.shape[0]
     flops = 2.0 * M * N * K
-    ours = time_fn(lambda: det_gemm(x, w), device, warmup=3, repeat=repeat)  # the first timed: the most warm-up
+
+    def ours_fn():
+        return det_gemm(x, w, out_dtype=out_dtype)
+
+    ours = time_fn(ours_fn, device, warmup=3, repeat=repeat)  # the first timed: the most warm-up
     # each exact route on its own, and the proof that they agree on these operands
-    routes, outs, plans = {}, {"auto": det_gemm(x, w)}, {}
+    routes, outs, plans = {}, {"auto": ours_fn()}, {}
     fp64_counts = {}
     for route in timed_routes:
         with gemm_path(route):
-            routes[route] = time_fn(lambda: det_gemm(x, w), device, warmup=1, repeat=repeat)
-            outs[route] = det_gemm(x, w)
+            routes[route] = time_fn(ours_fn, device, warmup=1, repeat=repeat)
+            outs[route] = ours_fn()
             if route == "fp64":
                 fp64_counts = last_fp64_counts()
             if route.startswith("slices"):
-                det_gemm(x, w, plans="sync")  # how the slices cut these operands (a guessed plan has no counts)
-                plans[route] = last_slices_plan()
-    # det_gemm's outputs here are fp32: compare their bits (NaN == NaN)
-    same = all(torch.equal(o.view(torch.int32), outs["auto"].view(torch.int32)) for o in outs.values())
+                det_gemm(x, w, out_dtype=out_dtype, plans="sync")  # how the slices cut these operands
+                plans[route] = last_slices_plan()  # (a guessed plan has no counts)
+    # compare the outputs' bits (NaN == NaN)
+    bits = torch.int32 if out_dtype == torch.float32 else torch.int16
+    same = all(torch.equal(o.view(bits), outs["auto"].view(bits)) for o in outs.values())
     base = time_fn(lambda: torch.mm(x, w.T), device, warmup=2, repeat=max(repeat, 5))
     xf, wf = x.float(), w.float()
     fp32 = time_fn(lambda: torch.mm(xf, wf.T), device, warmup=2, repeat=max(repeat, 5))
     # the headline ratios: ours against each baseline in interleaved rounds (the throughputs above
     # come from separate timings, which a drifting load can skew against one another)
     rounds = max(repeat, 5)
-    ratio = interleaved_ratio(lambda: torch.mm(x, w.T), lambda: det_gemm(x, w), device, rounds)
-    ratio_fp32 = interleaved_ratio(lambda: torch.mm(xf, wf.T), lambda: det_gemm(x, w), device, rounds)
+    ratio = interleaved_ratio(lambda: torch.mm(x, w.T), ours_fn, device, rounds)
+    ratio_fp32 = interleaved_ratio(lambda: torch.mm(xf, wf.T), ours_fn, device, rounds)
     row = {
         "op": "det_gemm", "dtype": str(dtype).replace("torch.", ""), "data": kind, "M": M, "N": N, "K": K,
+        "out_dtype": str(out_dtype).replace("torch.", ""),
         "ours_tflops": flops / ours / 1e12, "baseline_tflops": flops / base / 1e12,
         "ratio": ratio, "baseline": f"torch.mm {str(dtype).replace('torch.', '')}",
         "fp32_mm_tflops": flops / fp32 / 1e12, "ratio_vs_fp32_mm": ratio_fp32,
@@ -137,7 +165,7 @@ def bench(device, x, w, dtype, kind, source, repeat, timed_routes=ROUTES):
         row.update(fp64_ratio_vs_fp32_mm=fp32 / routes["fp64"],
                    fp64_undecided=fp64_counts.get("undecided", 0) / (M * N),
                    fp64_exact=fp64_counts.get("exact", 0) / (M * N))
-    what = f"{kind} {source['layer']} {source['gemm']}" if kind == "real" else kind
+    what = source.get("shape") or (f"{kind} {source['layer']} {source['gemm']}" if kind == "real" else kind)
     parts = [f"{r} {fp32 / t:.4f}" for r, t in routes.items()]
     if "slices" in plans:
         p = plans["slices"]
@@ -168,6 +196,8 @@ def main(argv=None):
     p.add_argument("--routes", default=",".join(ROUTES),
                    help=f"comma-separated exact routes to time on their own besides auto, among {','.join(ROUTES)} "
                         "(default: all; '' none)")
+    p.add_argument("--shapes", default=None, choices=["gpt2", ""],
+                   help="gpt2: GPT-2-small's 15 GEMMs at 8192 tokens, bf16, real data (default on GPU; '' none)")
     p.add_argument("--out", default=None, help="results path (default: benchmarks/results/<device>-gemm.json)")
     args = p.parse_args(argv)
     timed_routes = tuple(r for r in args.routes.split(",") if r)
@@ -182,14 +212,15 @@ def main(argv=None):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     gpu = args.device == "cuda"
-    sizes = [int(s) for s in (args.sizes or ("1024,4096" if gpu else "512")).split(",")]
+    sizes = [int(s) for s in (("1024,4096" if gpu else "512") if args.sizes is None else args.sizes).split(",") if s]
+    shapes = ("gpt2" if gpu else "") if args.shapes is None else args.shapes
     kinds = (args.data or ("normal,real,wide" if gpu else "normal")).split(",")
     unknown = set(kinds) - set(DTYPES)
     if unknown:
         p.error(f"--data: unknown kind(s) {sorted(unknown)}; choose among {sorted(DTYPES)}")
     layers = args.layers.split(",")
     extra = {}
-    if "real" in kinds:  # captured once, on the CPU, before any timing
+    if "real" in kinds or shapes:  # captured once, on the CPU, before any timing
         meta = _real_data.capture()["meta"]
         missing = set(layers) - set(meta["layers"])
         if missing:
@@ -207,6 +238,10 @@ def main(argv=None):
                     # more repeats there, whose median holds still
                     rows.append(bench(args.device, x, w, dt, kind, source, repeat=3 if gpu else 15,
                                       timed_routes=timed_routes))
+    if shapes == "gpt2":
+        for x, w, source in gpt2_cases():
+            rows.append(bench(args.device, x, w, torch.bfloat16, "real", source, repeat=3 if gpu else 15,
+                              timed_routes=timed_routes, out_dtype=torch.bfloat16))
     out = write("gemm", args.device, rows, extra=extra, path=args.out)
     print(f"wrote {out}")
 
