@@ -7,7 +7,8 @@
     python benchmarks/gemm.py --sizes 256 --data normal,real --out /tmp/gemm.json
     python benchmarks/gemm.py --device cuda --sizes 4096 --data wide --dtypes float32 --routes fp64,kernel
 
-Writes benchmarks/results/<device>-gemm.json (or --out) with rows of
+Writes benchmarks/results/<device>-gemm.json (or --out) after every row ("complete": false until the
+last) with rows of
 {op, dtype, data, M, N, K, ours_tflops, baseline_tflops, ratio, baseline, fp32_mm_tflops, source,
 x_log2_span, w_log2_span}. ratio and ratio_vs_fp32_mm (speed ratios, above 1 faster than the
 baseline) are medians over rounds that time the baseline and det_gemm back to back; the
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -230,19 +232,25 @@ def main(argv=None):
               f"(loss {meta['first_loss']:.3f} -> {meta['last_loss']:.3f}), {meta['tokens']} tokens captured "
               f"in {meta['seconds']} s", flush=True)
     rows = []
+    t0 = time.perf_counter()
+
+    def add(row):  # written after every row, "complete": false until the last, so a run cut short keeps them
+        rows.append(row)
+        write("gemm", args.device, rows, extra={**extra, "complete": False}, path=args.out)
+
     for n in sizes:
         for kind in kinds:
             for x, w, source in cases(kind, n, n, n, layers):
                 for dt in dtypes or DTYPES[kind]:
                     # a shared 2-core CPU's timings move by 20-40% from one repeat to the next:
                     # more repeats there, whose median holds still
-                    rows.append(bench(args.device, x, w, dt, kind, source, repeat=3 if gpu else 15,
-                                      timed_routes=timed_routes))
+                    add(bench(args.device, x, w, dt, kind, source, repeat=3 if gpu else 15, timed_routes=timed_routes))
     if shapes == "gpt2":
         for x, w, source in gpt2_cases():
-            rows.append(bench(args.device, x, w, torch.bfloat16, "real", source, repeat=3 if gpu else 15,
-                              timed_routes=timed_routes, out_dtype=torch.bfloat16))
-    out = write("gemm", args.device, rows, extra=extra, path=args.out)
+            add(bench(args.device, x, w, torch.bfloat16, "real", source, repeat=3 if gpu else 15,
+                      timed_routes=timed_routes, out_dtype=torch.bfloat16))
+    out = write("gemm", args.device, rows, path=args.out,
+                extra={**extra, "complete": True, "wall_s": round(time.perf_counter() - t0, 1)})
     print(f"wrote {out}")
 
 
