@@ -233,6 +233,9 @@ def main(argv=None):
               f"in {meta['seconds']} s", flush=True)
     rows = []
     t0 = time.perf_counter()
+    # a shared 2-core CPU's timings move by 20-40% from one repeat to the next: more repeats there,
+    # whose median holds still
+    repeat = 3 if gpu else 15
 
     def add(row):  # written after every row, "complete": false until the last, so a run cut short keeps them
         rows.append(row)
@@ -242,13 +245,11 @@ def main(argv=None):
         for kind in kinds:
             for x, w, source in cases(kind, n, n, n, layers):
                 for dt in dtypes or DTYPES[kind]:
-                    # a shared 2-core CPU's timings move by 20-40% from one repeat to the next:
-                    # more repeats there, whose median holds still
-                    add(bench(args.device, x, w, dt, kind, source, repeat=3 if gpu else 15, timed_routes=timed_routes))
+                    add(bench(args.device, x, w, dt, kind, source, repeat=repeat, timed_routes=timed_routes))
     if shapes == "gpt2":
         for x, w, source in gpt2_cases():
-            add(bench(args.device, x, w, torch.bfloat16, "real", source, repeat=3 if gpu else 15,
-                      timed_routes=timed_routes, out_dtype=torch.bfloat16))
+            add(bench(args.device, x, w, torch.bfloat16, "real", source, repeat=repeat, timed_routes=timed_routes,
+                      out_dtype=torch.bfloat16))
     out = write("gemm", args.device, rows, path=args.out,
                 extra={**extra, "complete": True, "wall_s": round(time.perf_counter() - t0, 1)})
     print(f"wrote {out}")
