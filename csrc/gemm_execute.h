@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
+
 #include "fp64_bound_host.h"
 #include "gemm_plan.h"
 #include "int_slices_host.h"
@@ -21,19 +23,29 @@ inline GemmPlan plan_for(const at::Tensor& x, const at::Tensor& w, GemmDevice de
                    device, digits, options, allow_fast);
 }
 
-// Runs the plan: the fp64 route, or the slices (whose own plan may hand the call to the kernel),
-// or the long-accumulator kernel `kernel` (which also recomputes the rows the slices cannot hold).
-// *plan ends as executed.
+// The CPU's probe for auto's kernel choice (gemm_plan.h, plan_kernel_stage): the share of the
+// kernel's steps off its fast path on these operands. Null on CUDA, where reading it back would
+// cost a synchronization every call.
+using KernelProbe = std::function<double(const at::Tensor& x, const at::Tensor& w)>;
+
+// Stage 2 for a plan whose route is auto's kernel: the probe may send it to the fp64 route.
+inline void probe_kernel_plan(GemmPlan* plan, const at::Tensor& x, const at::Tensor& w, const KernelProbe& probe) {
+  if (probe && plan->route == GemmRoute::kKernel && plan->auto_route && plan->fp64_ok && plan->M * plan->N * plan->K)
+    plan_kernel_stage(plan, probe(x, w));
+}
+
+// Runs the plan: the slices (whose own plan may hand the call to the fp64 route or the kernel),
+// the fp64 route, or the long-accumulator kernel `kernel` (which also recomputes the rows the
+// slices cannot hold; the probe may first send auto's kernel to the fp64 route). *plan ends as
+// executed.
 inline at::Tensor execute_gemm(GemmPlan* plan, const at::Tensor& x, const at::Tensor& w,
                                const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype, const Fp64Backend& fp64,
-                               const SliceBackend& slices, const LongAccGemm& kernel) {
+                               const SliceBackend& slices, const LongAccGemm& kernel, const KernelProbe& probe) {
   if (!plan->digits) last_fp64_counts() = at::Tensor();  // until this call takes the fp64 route
   at::Tensor out;
-  if (plan->route == GemmRoute::kFp64) {
-    out = gemm_fp64_bound(*plan, x, w, bias, out_dtype, fp64);
-  } else if (plan->route == GemmRoute::kSlices) {
-    out = gemm_int_slices(plan, x, w, bias, out_dtype, slices, kernel);
-  }
+  if (plan->route == GemmRoute::kSlices) out = gemm_int_slices(plan, x, w, bias, out_dtype, slices, kernel);
+  probe_kernel_plan(plan, x, w, probe);
+  if (!out.defined() && plan->route == GemmRoute::kFp64) out = gemm_fp64_bound(*plan, x, w, bias, out_dtype, fp64);
   if (!out.defined()) out = kernel(x, w, bias);
   last_gemm_plan() = *plan;
   return out;
@@ -44,8 +56,9 @@ inline at::Tensor execute_gemm(GemmPlan* plan, const at::Tensor& x, const at::Te
 // or from the options' fixed guess. The guess cache is neither read nor changed: with cached
 // guesses a call may take larger counts than this shows (never different bytes).
 inline GemmPlan explain_gemm_plan(const at::Tensor& x, const at::Tensor& w, bool digits, const GemmOptions& options,
-                                  const SliceBackend& slices) {
+                                  const SliceBackend& slices, const KernelProbe& probe) {
   GemmPlan plan = plan_for(x, w, slices.device, digits, options, true);
+  probe_kernel_plan(&plan, x, w, probe);
   if (plan.route != GemmRoute::kSlices) return plan;
   if (options.plan_x > 0) {
     plan_slices_stage(&plan, nullptr, nullptr, options.plan_x, options.plan_w, slice_target(slices));

@@ -295,8 +295,43 @@ struct GemmPlan {
   KernelTiles tiles{0, 0, 0};
   bool fp32_split = false;  // the kernel runs fp32 inputs as four 2^17-scaled segments (split.h)
   int64_t fp64_n_chunk = 0;  // fp64 route: columns per fp64 GEMM (products within the chunk MiB)
+  bool auto_route = false;   // the route is the cost table's choice (no route was forced)
+  bool fp64_ok = false;      // the fp64 route can run this call (rounded outputs, K <= 2^33)
+  // Auto's kernel on a device that probes the operands first (plan_kernel_stage): the share of
+  // the kernel's (tile, K-block) steps that miss its fast path; -1 when not probed.
+  double kernel_slow_share = -1;
   SlicesPlan slices;
 };
+
+// Wide exponent spread. The kernel's cost grows with it: a K-block of a tile whose row and column
+// spreads together exceed LDET_FAST_SPREAD goes product by product through the exact path, about
+// 75x a fast block on the CPU (bf16, e uniform in [-40, 40], 512^3: 1.14 s against 15 ms on normal
+// data), and on the GPU 0.0017x torch.mm fp32 at 4096^3 (h100-gemm.json). The fp64 route's cost
+// does not depend on the spread (0.011 s there; on normal data it takes 1.1-2.2x the kernel's
+// time, kCostTable). Auto hands a rounded call to the fp64 route when more than this share of
+// the kernel's steps would be slow: the break-even, 1.2 / 74, with room for the estimate.
+constexpr double kKernelSlowShare = 1.0 / 64;
+
+// Sends an auto plan to the fp64 route, with the reason appended.
+inline void take_fp64_route(GemmPlan* p, const std::string& why) {
+  p->route = GemmRoute::kFp64;
+  p->route_reason += why;
+  const int64_t cap = gemm_env().fp64_chunk_mib;
+  p->fp64_n_chunk = std::min<int64_t>(p->N, std::max<int64_t>(8, ((cap << 20) / (8 * p->M)) / 8 * 8));
+  p->fallback = "outputs the bound cannot decide: ordered fp64 sum, then the long accumulator";
+}
+
+// Stage 2 of auto's kernel choice on a device whose backend probes the operands (the CPU: no
+// synchronization to pay): with more than kKernelSlowShare of the kernel's steps off its fast
+// path, a rounded call takes the fp64 route.
+inline void plan_kernel_stage(GemmPlan* p, double slow_share) {
+  p->kernel_slow_share = slow_share;
+  if (p->route != GemmRoute::kKernel || !p->auto_route || !p->fp64_ok || slow_share <= kKernelSlowShare) return;
+  char share[32];
+  std::snprintf(share, sizeof share, "%.3g", slow_share);
+  take_fp64_route(p, std::string("; then the fp64 route: ") + share +
+                         " of the kernel's tile K-blocks miss its fast path (wide exponent spread)");
+}
 
 // Stage 1: the route from the call's shape, dtypes, device, output kind and options.
 // allow_fast: false for the tests' normalization-interval calls (the kernel's own headroom path).
@@ -328,8 +363,10 @@ inline GemmPlan plan_gemm(int64_t M, int64_t N, int64_t K, bool x_fp32, bool w_f
   if (!allow_fast) return kernel("a normalization interval was given (tests): the kernel's own path");
   if (M == 0 || N == 0 || K == 0) return kernel("empty: no products");
   const bool fp64_ok = !digits && K <= (int64_t(1) << 33);
+  p.fp64_ok = fp64_ok;
   // The fp64 route's switch leaves digits outputs to the auto choice.
   const GemmPath mode = (opt.route == kPathFp64 && digits) ? kPathAuto : opt.route;
+  p.auto_route = mode == kPathAuto;
   if (mode == kPathKernel) return kernel("forced by route=kernel");
   GemmRoute want;
   if (mode == kPathFp64) {
@@ -356,9 +393,7 @@ inline GemmPlan plan_gemm(int64_t M, int64_t N, int64_t K, bool x_fp32, bool w_f
   if (want == GemmRoute::kSlices) {
     p.fallback = "rows the slices cannot hold (or needing more than a guess) go to the kernel";
   } else if (want == GemmRoute::kFp64) {
-    const int64_t cap = gemm_env().fp64_chunk_mib;
-    p.fp64_n_chunk = std::min<int64_t>(N, std::max<int64_t>(8, ((cap << 20) / (8 * M)) / 8 * 8));
-    p.fallback = "outputs the bound cannot decide: ordered fp64 sum, then the long accumulator";
+    take_fp64_route(&p, "");
   }
   return p;
 }
@@ -508,6 +543,11 @@ inline void plan_slices_stage(GemmPlan* p, const int32_t* sx, const int32_t* sw,
   std::tie(s.n_chunk, s.n_padded) =
       chunk_columns(N, s.rows_padded, s.planes, gemm_env().slices_chunk_mib, t.chunk_max_outputs);
   if (!s.worth_it && mode == kPathAuto) {
+    // the kernel would be slow on such data too (kKernelSlowShare): rounded outputs go to fp64
+    if (p->fp64_ok) {
+      take_fp64_route(p, "; then the fp64 route: most rows of an operand are beyond the slices (wide exponent spread)");
+      return;
+    }
     p->route = GemmRoute::kKernel;
     p->route_reason += "; then the kernel: most rows of an operand are beyond the slices (wide exponent spread)";
     p->fallback = "none: the kernel takes any data";
@@ -574,6 +614,7 @@ inline std::string plan_json(const GemmPlan& p) {
   integer("k_block", p.tiles.k_block);
   flag("fp32_split", p.fp32_split);
   integer("fp64_n_chunk", p.fp64_n_chunk);
+  num("kernel_slow_share", p.kernel_slow_share);
   const SlicesPlan& s = p.slices;
   flag("slices_planned", s.planned);
   flag("slices_guessed", s.guessed);

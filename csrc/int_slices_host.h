@@ -355,7 +355,8 @@ inline SliceTarget slice_target(const SliceBackend& be) {
 }
 
 // Plan, part 3: the slices' plan (gemm_plan.h, plan_slices_stage) from the guess, or from the
-// summaries read on the host (one synchronization). False: auto sends the call to the kernel.
+// summaries read on the host (one synchronization). False: auto sends the call to the fp64 route
+// or the kernel.
 inline bool slices_plan_step(GemmPlan* plan, SliceRun& r, std::pair<int64_t, int64_t> guess, GuessState* st,
                              const SliceBackend& be) {
   const bool guessed = guess.first > 0 && guess.second > 0;
@@ -381,7 +382,7 @@ inline bool slices_plan_step(GemmPlan* plan, SliceRun& r, std::pair<int64_t, int
       std::lock_guard<std::mutex> lock(guess_cache().mu);
       st->record(plan->slices.slices_x, plan->slices.slices_w, plan->slices.worth_it);
     }
-    if (plan->route == GemmRoute::kKernel) return false;
+    if (plan->route != GemmRoute::kSlices) return false;
     r.res_x = plan->slices.residues_x > 0;
     r.res_w = plan->slices.residues_w > 0;
   }
@@ -475,8 +476,8 @@ inline void slices_fix_up(const GemmPlan& plan, const SliceRun& r, at::Tensor& o
 }
 
 // The slices route of a plan whose stage 1 chose it (gemm_plan.h): its steps in order. Returns an
-// undefined tensor when the slices' own plan sends the call to the kernel (auto, most rows beyond
-// the slices); *plan then says so. The result is the long accumulator's, byte for byte.
+// undefined tensor when the slices' own plan sends the call to the fp64 route or the kernel (auto,
+// most rows beyond the slices); *plan then says which. The result is the long accumulator's, byte for byte.
 inline at::Tensor gemm_int_slices(GemmPlan* plan, const at::Tensor& x_in, const at::Tensor& w_in,
                                   const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype,
                                   const SliceBackend& be, const LongAccGemm& long_acc) {

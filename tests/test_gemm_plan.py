@@ -95,6 +95,37 @@ def test_wide_exponent_spread_sends_digits_back_to_the_kernel():
     assert torch.equal(acc, ref)
 
 
+@pytest.mark.parametrize("shape", [(48, 40, 256), (128, 128, 128)])
+def test_wide_16bit_rounded_auto_takes_the_fp64_route(shape):
+    # bf16 with exponents over [-40, 40]: most of the kernel's K-blocks miss its fast path (about
+    # 75x slower) and most rows are beyond the slices, so auto sends rounded outputs to the fp64
+    # route, whose cost does not depend on the spread: through the probe where the cost table
+    # chose the kernel, or through the slices' own plan where it chose them (CPUs with AVX-512 at
+    # 128^3)
+    M, N, K = shape
+    x = wide((M, K), seed=23, dtype=torch.bfloat16)
+    w = wide((N, K), seed=24, dtype=torch.bfloat16)
+    plan, y = run_and_compare(x, w)
+    assert plan.route == "fp64" and "wide exponent spread" in plan.route_reason, plan
+    assert plan.route_reason.startswith("auto"), plan
+    if not plan.fields["slices_planned"]:
+        assert plan.fields["kernel_slow_share"] > 1 / 64, plan
+    assert_bitwise(y, R.gemm_rounded(x, w), "wide bf16, auto")
+    assert not torch.equal((x.float() @ w.float().T), y)  # the control: plain fp32 GEMM differs
+    # digits cannot take the fp64 route: the kernel, as before
+    digits = explain_gemm(x, w, output="digits")
+    assert digits.route != "fp64", digits
+
+
+def test_normal_16bit_data_keeps_the_kernel_where_the_table_chose_it():
+    # the probe leaves normal data on the kernel: nearly every K-block takes its fast path
+    x, w = gen.normal((48, 256), seed=25).bfloat16(), gen.normal((40, 256), seed=26).bfloat16()
+    plan, y = run_and_compare(x, w)
+    if plan.fields["cost_kernel"] <= min(plan.fields["cost_slices"], plan.fields["cost_fp64"] or float("inf")):
+        assert plan.route == "kernel" and 0 <= plan.fields["kernel_slow_share"] <= 1 / 64, plan
+    assert_bitwise(y, R.gemm_rounded(x, w), "normal bf16, auto")
+
+
 def test_wide_data_forced_slices_recompute_rows_on_the_kernel():
     x, w = wide((48, 256), seed=7), wide((40, 256), seed=8)
     plan, y = run_and_compare(x, w, route="slices")
@@ -195,6 +226,23 @@ def test_cpu_fp32_rounded_takes_the_fp64_route(n):
     digits = explain_gemm(x, w, output="digits")
     assert digits.route == least_cost_route(digits, True), digits
     assert_bitwise(y, det_gemm(x, w, route="kernel"), f"{n}^3")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,shape", [(torch.float32, (96, 80, 256)), (torch.bfloat16, (2048, 2048, 1024))])
+def test_cuda_wide_data_leaves_the_slices_for_the_fp64_route(dtype, shape):
+    # CUDA: where the cost table chose the slices (fp32 from 64^3, 16-bit from M N K = 2^32) and
+    # most rows are beyond them, rounded outputs go to the fp64 route (not the kernel, which is
+    # slow on such data), and digits outputs to the kernel; the CPU's bytes either way
+    M, N, K = shape
+    x, w = wide((M, K), seed=27, dtype=dtype), wide((N, K), seed=28, dtype=dtype)
+    plan, y = run_and_compare(x.cuda(), w.cuda())
+    assert plan.route == "fp64" and "beyond the slices" in plan.route_reason, plan
+    assert torch.equal(y.cpu(), det_gemm(x, w))
+    if M * N * K < 2**20:
+        digits, acc = run_and_compare(x.cuda(), w.cuda(), output="digits")
+        assert digits.route == "kernel" and "beyond the slices" in digits.route_reason, digits
+        assert torch.equal(acc.cpu(), det_gemm_partial(x, w))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

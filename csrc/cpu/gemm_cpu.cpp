@@ -54,6 +54,97 @@ std::vector<int32_t> block_stats(const double* a, int64_t rows, int64_t K) {
   return st;
 }
 
+// The widest spread (hi - lo) of each tile's rows per K-block: tiles of `tile` rows of a stats
+// matrix (rows, nkb), as a histogram per K-block over 0 .. LDET_FAST_SPREAD + 1 (the last bin:
+// beyond the fast path alone, or inf / NaN).
+std::vector<int64_t> tile_spread_hist(const std::vector<int32_t>& st, int64_t rows, int64_t nkb, int tile) {
+  constexpr int kBins = LDET_FAST_SPREAD + 2;
+  std::vector<int64_t> hist(nkb * kBins, 0);
+  for (int64_t r0 = 0; r0 < rows; r0 += tile) {
+    for (int64_t kb = 0; kb < nkb; ++kb) {
+      int widest = 0;
+      for (int64_t r = r0; r < std::min(rows, r0 + tile); ++r) {
+        const int hi = stat_hi(st[r * nkb + kb]);
+        if (hi == kStatSpecial) widest = kBins - 1;
+        else if (hi != kStatEmpty) widest = std::max(widest, std::min(kBins - 1, hi - stat_lo(st[r * nkb + kb])));
+      }
+      ++hist[kb * kBins + widest];
+    }
+  }
+  return hist;
+}
+
+// block_stats of a 16-bit operand, read in place from its bits (the probe below runs before every
+// auto kernel call on the CPU: no widened copy, and no threads for small operands). A value with
+// exponent field e and fraction f (mb bits) has hi = floor(log2 |v|) and lo = its lowest set bit.
+std::vector<int32_t> block_stats_16bit(const at::Tensor& t) {
+  const at::Tensor a = t.contiguous();
+  const int64_t rows = a.size(0), K = a.size(1), nkb = (K + LDET_KBLOCK - 1) / LDET_KBLOCK;
+  const bool bf16 = a.scalar_type() == at::kBFloat16;
+  const int mb = bf16 ? 7 : 10, emax = bf16 ? 255 : 31, bias = bf16 ? 127 : 15;
+  const uint16_t* p = static_cast<const uint16_t*>(a.data_ptr());
+  std::vector<int32_t> st(rows * nkb);
+  auto run = [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      for (int64_t kb = 0; kb < nkb; ++kb) {
+        int hi = kStatEmpty, lo = 32767;
+        bool special = false;
+        const int64_t k1 = std::min(K, (kb + 1) * LDET_KBLOCK);
+        for (int64_t k = kb * LDET_KBLOCK; k < k1; ++k) {
+          const uint32_t u = p[r * K + k] & 0x7fffu;
+          if (u == 0) continue;
+          const int ex = int(u >> mb);
+          const uint32_t f = u & ((1u << mb) - 1);
+          if (ex == emax) {
+            special = true;
+            continue;
+          }
+          const uint32_t sig = ex ? (f | (1u << mb)) : f;  // subnormal: no implicit bit
+          const int scale = (ex ? ex : 1) - bias - mb;       // v = sig * 2^scale
+          hi = std::max(hi, scale + 31 - __builtin_clz(sig));
+          lo = std::min(lo, scale + __builtin_ctz(sig));
+        }
+        st[r * nkb + kb] = special ? pack_stat(kStatSpecial, 0) : hi == kStatEmpty ? pack_stat(kStatEmpty, 0)
+                                                                                 : pack_stat(hi, lo);
+      }
+    }
+  };
+  if (rows * K < (int64_t(1) << 20)) {
+    run(0, rows);
+  } else {
+    ieee_parallel_for(0, rows, 64, run);
+  }
+  return st;
+}
+
+// The kernel's share of (TM x TN tile, K-block) steps that miss its fast path (tile_all_fast) on
+// these operands: the probe of auto's kernel choice (gemm_plan.h, plan_kernel_stage), O((M + N) K)
+// against the GEMM's O(M N K). On the CPU auto takes the kernel for 16-bit inputs alone (the cost
+// table sends fp32 to the fp64 route), so fp32 operands are widened as the kernel widens them.
+double kernel_slow_share_cpu(const at::Tensor& x, const at::Tensor& w) {
+  auto stats = [](const at::Tensor& t) {
+    if (t.scalar_type() != at::kFloat) return block_stats_16bit(t);
+    const at::Tensor d = t.to(at::kDouble).contiguous();
+    return block_stats(d.data_ptr<double>(), d.size(0), d.size(1));
+  };
+  auto [xsplit, wsplit] = split_fp32_for_fast_path(x, w);
+  const at::Tensor& xin = xsplit.defined() ? xsplit : x;
+  const at::Tensor& win = wsplit.defined() ? wsplit : w;
+  const int64_t M = xin.size(0), N = win.size(0), K = xin.size(1), nkb = (K + LDET_KBLOCK - 1) / LDET_KBLOCK;
+  constexpr int kBins = LDET_FAST_SPREAD + 2;
+  const std::vector<int64_t> hx = tile_spread_hist(stats(xin), M, nkb, TM);
+  const std::vector<int64_t> hw = tile_spread_hist(stats(win), N, nkb, TN);
+  double slow = 0;
+  for (int64_t kb = 0; kb < nkb; ++kb) {
+    const int64_t* a = &hx[kb * kBins];
+    const int64_t* b = &hw[kb * kBins];
+    for (int i = 0; i < kBins; ++i)
+      for (int j = LDET_FAST_SPREAD + 1 - i; j < kBins; ++j) slow += double(a[i]) * double(b[j]);
+  }
+  const double steps = double((M + TM - 1) / TM) * double((N + TN - 1) / TN) * double(nkb);
+  return steps > 0 ? slow / steps : 0.0;
+}
+
 struct GemmArgs {
   const double* x;   // (M, K) row-major
   // w in column panels: panel j / TN is a contiguous (K, TN) block holding w[j0 + b, k] at
@@ -313,7 +404,7 @@ at::Tensor gemm_common_cpu(const at::Tensor& x, const at::Tensor& w, const c10::
   const LongAccGemm kernel = [&](const at::Tensor& xs, const at::Tensor& ws, const c10::optional<at::Tensor>& bs) {
     return gemm_kernel_cpu<kFinalize>(xs, ws, bs, norm_interval, out_dtype);
   };
-  return execute_gemm(&plan, x, w, bias, out_dtype, fp64_backend_cpu(), slices, kernel);
+  return execute_gemm(&plan, x, w, bias, out_dtype, fp64_backend_cpu(), slices, kernel, kernel_slow_share_cpu);
 }
 
 at::Tensor gemm_partial_cpu(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
@@ -342,7 +433,7 @@ at::Tensor gemm_batched_cpu(const at::Tensor& x, const at::Tensor& w, c10::optio
 // The plan a gemm (digits false) / gemm_partial (true) call would run, as JSON (explain_gemm).
 std::string explain_gemm_cpu(const at::Tensor& x, const at::Tensor& w, bool digits, at::IntArrayRef options) {
   check_gemm_args(x, w, c10::nullopt);
-  return plan_json(explain_gemm_plan(x, w, digits, checked_options(options), slice_backend_cpu()));
+  return plan_json(explain_gemm_plan(x, w, digits, checked_options(options), slice_backend_cpu(), kernel_slow_share_cpu));
 }
 
 }  // namespace

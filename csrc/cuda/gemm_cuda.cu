@@ -690,7 +690,7 @@ at::Tensor gemm_common_cuda(const at::Tensor& x, const at::Tensor& w, const c10:
   const LongAccGemm kernel = [&](const at::Tensor& xs, const at::Tensor& ws, const c10::optional<at::Tensor>& bs) {
     return gemm_kernel_cuda<kFinalize>(xs, ws, bs, norm_interval, out_dtype);
   };
-  return execute_gemm(&plan, x, w, bias, out_dtype, fp64_backend_cuda(), slices, kernel);
+  return execute_gemm(&plan, x, w, bias, out_dtype, fp64_backend_cuda(), slices, kernel, nullptr);
 }
 
 at::Tensor gemm_partial_cuda(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
@@ -731,7 +731,7 @@ std::string explain_gemm_cuda(const at::Tensor& x, const at::Tensor& w, bool dig
   check_gemm_args(x, w, c10::nullopt);
   check_gemm_devices(x, w, c10::nullopt);
   c10::cuda::CUDAGuard guard(x.device());
-  return plan_json(explain_gemm_plan(x, w, digits, checked_options(options), slice_backend_cuda()));
+  return plan_json(explain_gemm_plan(x, w, digits, checked_options(options), slice_backend_cuda(), nullptr));
 }
 
 }  // namespace
