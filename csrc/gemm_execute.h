@@ -23,9 +23,10 @@ inline GemmPlan plan_for(const at::Tensor& x, const at::Tensor& w, GemmDevice de
                    device, digits, options, allow_fast);
 }
 
-// The CPU's probe for auto's kernel choice (gemm_plan.h, plan_kernel_stage): the share of the
-// kernel's steps off its fast path on these operands. Null on CUDA, where reading it back would
-// cost a synchronization every call.
+// The probe of auto's kernel choice (gemm_plan.h, plan_kernel_stage): the share of the kernel's
+// steps off its fast path on these operands, -1 where the backend does not probe them. The CPU
+// probes every call; CUDA 16-bit operands (csrc/cuda/gemm_cuda.cu) on a shape's first call, then
+// from a share read back later without a synchronization.
 using KernelProbe = std::function<double(const at::Tensor& x, const at::Tensor& w)>;
 
 // Stage 2 for a plan whose route is auto's kernel: the probe may send it to the fp64 route.
@@ -51,10 +52,11 @@ inline at::Tensor execute_gemm(GemmPlan* plan, const at::Tensor& x, const at::Te
   return out;
 }
 
-// The plan a call with these operands and options would run, without running it: stage 1, and
-// for the slices their plan from both operands' summaries (computed here, one synchronization),
-// or from the options' fixed guess. The guess cache is neither read nor changed: with cached
-// guesses a call may take larger counts than this shows (never different bytes).
+// The plan a call with these operands and options would run, without running it: stage 1, the
+// kernel probe on these operands, and for the slices their plan from both operands' summaries
+// (computed here, one synchronization), or from the options' fixed guess. The guess cache and
+// CUDA's probe cache are neither read nor changed: with cached guesses a call may take larger
+// counts than this shows, and on CUDA the route of its shape's last probe (never different bytes).
 inline GemmPlan explain_gemm_plan(const at::Tensor& x, const at::Tensor& w, bool digits, const GemmOptions& options,
                                   const SliceBackend& slices, const KernelProbe& probe) {
   GemmPlan plan = plan_for(x, w, slices.device, digits, options, true);

@@ -322,9 +322,9 @@ inline void take_fp64_route(GemmPlan* p, const std::string& why) {
   p->fallback = "outputs the bound cannot decide: ordered fp64 sum, then the long accumulator";
 }
 
-// Stage 2 of auto's kernel choice on a device whose backend probes the operands (the CPU: no
-// synchronization to pay): with more than kKernelSlowShare of the kernel's steps off its fast
-// path, a rounded call takes the fp64 route.
+// Stage 2 of auto's kernel choice where the backend probes the operands (gemm_execute.h,
+// KernelProbe; slow_share -1: not probed): with more than kKernelSlowShare of the kernel's steps
+// off its fast path, a rounded call takes the fp64 route.
 inline void plan_kernel_stage(GemmPlan* p, double slow_share) {
   p->kernel_slow_share = slow_share;
   if (p->route != GemmRoute::kKernel || !p->auto_route || !p->fp64_ok || slow_share <= kKernelSlowShare) return;

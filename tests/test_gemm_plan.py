@@ -246,6 +246,49 @@ def test_cuda_wide_data_leaves_the_slices_for_the_fp64_route(dtype, shape):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,shape", [(torch.bfloat16, (256, 192, 512)), (torch.float16, (1024, 1024, 1024))])
+def test_cuda_wide_16bit_below_the_slices_takes_the_fp64_route(dtype, shape):
+    # CUDA: below the slices' sizes the cost table chose the kernel, and the probe of its warp
+    # K-blocks (a shape's first call reads it back) sends wide rounded calls to the fp64 route;
+    # normal data of another shape keeps the kernel; the CPU's bytes either way
+    M, N, K = shape
+    lo, hi = (-40, 40) if dtype == torch.bfloat16 else (-12, 12)  # fp16: no overflow in the products
+    x, w = wide((M, K), seed=29, lo=lo, hi=hi, dtype=dtype), wide((N, K), seed=30, lo=lo, hi=hi, dtype=dtype)
+    plan, y = run_and_compare(x.cuda(), w.cuda())
+    assert plan.route == "fp64" and plan.fields["kernel_slow_share"] > 1 / 64, plan
+    assert "miss its fast path" in plan.route_reason, plan
+    assert torch.equal(y.cpu(), det_gemm(x, w))
+    assert not torch.equal((x.cuda().float() @ w.cuda().float().T).cpu(), y.cpu())  # the control
+    xn, wn = gen.normal((M + 8, K), seed=31).to(dtype), gen.normal((N, K), seed=32).to(dtype)
+    plan, y = run_and_compare(xn.cuda(), wn.cuda())
+    assert plan.route == "kernel" and 0 <= plan.fields["kernel_slow_share"] <= 1 / 64, plan
+    assert torch.equal(y.cpu(), det_gemm(xn, wn))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_probe_follows_a_shape_whose_data_turns_wide():
+    # a shape's later calls take its last probe read back: data turning wide keeps the kernel on
+    # the next call (no synchronization), and moves to the fp64 route once a later probe arrives
+    # (every 16th call sends one); the bytes are the exact ones whichever route ran
+    M, N, K = 200, 136, 320
+    xn, wn = gen.normal((M, K), seed=33).bfloat16().cuda(), gen.normal((N, K), seed=34).bfloat16().cuda()
+    xw = wide((M, K), seed=35, dtype=torch.bfloat16)
+    ww = wide((N, K), seed=36, dtype=torch.bfloat16)
+    ref = det_gemm(xw, ww)  # the CPU's bytes
+    det_gemm(xn, wn)
+    assert last_gemm_plan().route == "kernel"
+    routes = []
+    for _ in range(40):
+        y = det_gemm(xw.cuda(), ww.cuda())
+        torch.cuda.synchronize()
+        routes.append(last_gemm_plan().route)
+        assert torch.equal(y.cpu(), ref)
+    assert routes[0] == "kernel", routes
+    assert routes[-1] == "fp64" and routes.index("fp64") <= 18, routes
+    assert explain_gemm(xw.cuda(), ww.cuda()).route == "fp64"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("route", [None, "kernel", "slices", "slices_crt", "slices_diagonals", "fp64"])
 def test_cuda_plans_name_the_route_and_match_the_cpu(dtype, route):

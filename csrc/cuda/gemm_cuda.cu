@@ -30,6 +30,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -88,6 +89,14 @@ __global__ void stats_kernel(const T* __restrict__ a, int64_t rows, int64_t K, i
   const int64_t k1 = min(K, (kb + 1) * BK);
   for (int64_t k = kb * BK; k < k1; ++k) s.add(to_d(a[r * K + k]));
   out[kb * rows + r] = s.packed();
+}
+
+template <typename T>
+void launch_stats(const T* a, int64_t rows, int64_t K, int64_t nkb, int32_t* out, cudaStream_t stream) {
+  constexpr int threads = 256;
+  if (rows * nkb == 0) return;
+  stats_kernel<T><<<unsigned((rows * nkb + threads - 1) / threads), threads, 0, stream>>>(a, rows, K, nkb, out);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // A tile's operand (64 rows x BK) moves global -> registers -> shared memory as 16-byte chunks
@@ -581,18 +590,9 @@ void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& xs, cons
   auto stream = c10::cuda::getCurrentCUDAStream();
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
   const T* wp = reinterpret_cast<const T*>(w.data_ptr());
-  const int st_threads = 256;
   const int64_t Mb = batch * M, Nb = batch * N;  // every slice's rows: one statistics pass each
-  if (Mb * nkb > 0) {
-    stats_kernel<T><<<unsigned((Mb * nkb + st_threads - 1) / st_threads), st_threads, 0, stream>>>(
-        xp, Mb, K, nkb, xs.data_ptr<int32_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  if (Nb * nkb > 0) {
-    stats_kernel<T><<<unsigned((Nb * nkb + st_threads - 1) / st_threads), st_threads, 0, stream>>>(
-        wp, Nb, K, nkb, ws.data_ptr<int32_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  launch_stats(xp, Mb, K, nkb, xs.data_ptr<int32_t>(), stream);
+  launch_stats(wp, Nb, K, nkb, ws.data_ptr<int32_t>(), stream);
   TORCH_CHECK((M + BM - 1) / BM < 65536, "x: M = ", M, " exceeds this kernel's grid limit of ", 65535 * BM, " rows");
   TORCH_CHECK(batch < 65536, "x: ", batch, " slices exceed this kernel's grid limit of 65535");
   constexpr int VEC = 16 / sizeof(T);
@@ -670,6 +670,174 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& w_in, cons
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// The probe of auto's kernel choice (gemm_plan.h, plan_kernel_stage): the share of the kernel's
+// (warp tile, K-block) steps that leave the tensor cores on these operands.
+//
+// A warp's K-block goes to the tensor cores (block_on_mma) only when every pair of its row groups
+// (4 rows, 8 apart) and column groups (8 columns: 2 adjacent, 8 apart) spreads over at most
+// LDET_FAST_SPREAD bits together and holds no inf or NaN; otherwise it goes output by output
+// (block_by_output), product by product where an output's own pair is too wide. A pair's spread
+// is the sum of its groups' spreads, so a warp step is slow when the widest row group of its
+// 32-row strip of x and the widest column group of its 32-column strip of w exceed the window
+// together. Per K-block, each strip's widest group spread (clipped to one bin beyond the window;
+// another bin for inf / NaN; all-zero strips are not counted) goes into a histogram, and the
+// slow (x strip, w strip) pairs are counted from the two histograms: O((M + N) K) work against
+// the GEMM's O(M N K). 16-bit operands of one dtype alone: the kernel splits fp32 operands first
+// (csrc/split.h, a synchronization and 4x their size), which the probe would have to repeat, and
+// the planner sends fp32 to the kernel only below 64^3.
+constexpr int kSpreadBins = LDET_FAST_SPREAD + 3;  // spreads 0 .. window, beyond it, inf / NaN
+
+// The bin of one 32-row strip of a K-block's statistics (rows from r0), -1 when all zero.
+__device__ int strip_bin(const int32_t* __restrict__ st, int64_t rows, int64_t r0, bool columns) {
+  const int groups = columns ? 4 : 8, members = columns ? 8 : 4;
+  int widest = -1;
+  for (int g = 0; g < groups; ++g) {
+    int hi = kStatEmpty, lo = 32767;
+    for (int m = 0; m < members; ++m) {
+      const int64_t r = r0 + (columns ? 2 * g + (m & 1) + 8 * (m >> 1) : g + 8 * m);
+      if (r >= rows) continue;
+      const int32_t s = st[r];
+      const int h = stat_hi(s);
+      if (h == kStatSpecial) return kSpreadBins - 1;
+      if (h == kStatEmpty) continue;
+      hi = max(hi, h);
+      lo = min(lo, stat_lo(s));
+    }
+    if (hi != kStatEmpty) widest = max(widest, min(hi - lo, LDET_FAST_SPREAD + 1));
+  }
+  return widest;
+}
+
+// One block per K-block: both operands' strip histograms, then its slow pairs added to *count
+// (integer additions: the count does not depend on their order).
+__global__ void slow_steps_kernel(const int32_t* __restrict__ xs, const int32_t* __restrict__ ws, int64_t M,
+                                  int64_t N, unsigned long long* __restrict__ count) {
+  __shared__ unsigned int hx[kSpreadBins], hw[kSpreadBins];
+  const int64_t kb = blockIdx.x;
+  for (int i = threadIdx.x; i < kSpreadBins; i += blockDim.x) hx[i] = hw[i] = 0;
+  __syncthreads();
+  const int64_t sx = (M + WM - 1) / WM, sw = (N + WN - 1) / WN;
+  for (int64_t s = threadIdx.x; s < sx + sw; s += blockDim.x) {
+    const bool columns = s >= sx;
+    const int b = columns ? strip_bin(ws + kb * N, N, (s - sx) * WN, true) : strip_bin(xs + kb * M, M, s * WM, false);
+    if (b >= 0) atomicAdd(columns ? &hw[b] : &hx[b], 1u);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned long long slow = 0;
+    for (int a = 0; a < kSpreadBins; ++a)
+      for (int b = 0; b < kSpreadBins; ++b)
+        if (a == kSpreadBins - 1 || b == kSpreadBins - 1 || a + b > LDET_FAST_SPREAD)
+          slow += static_cast<unsigned long long>(hx[a]) * hw[b];
+    if (slow != 0) atomicAdd(count, slow);
+  }
+}
+
+bool probe_applies(const at::Tensor& x, const at::Tensor& w) {
+  return x.scalar_type() == w.scalar_type() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf);
+}
+
+// The slow steps (a device int64 of one element, on its way) and the number of steps.
+std::pair<at::Tensor, double> kernel_slow_steps(const at::Tensor& x_in, const at::Tensor& w_in) {
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1), nkb = (K + BK - 1) / BK;
+  at::Tensor count = at::zeros({1}, x.options().dtype(at::kLong));
+  const double steps = double(nkb) * double((M + WM - 1) / WM) * double((N + WN - 1) / WN);
+  if (steps == 0) return {count, 0.0};
+  at::Tensor xs = at::empty({M * nkb}, x.options().dtype(at::kInt));
+  at::Tensor ws = at::empty({N * nkb}, x.options().dtype(at::kInt));
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  if (x.scalar_type() == at::kBFloat16) {
+    launch_stats(reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), M, K, nkb, xs.data_ptr<int32_t>(), stream);
+    launch_stats(reinterpret_cast<const __nv_bfloat16*>(w.data_ptr()), N, K, nkb, ws.data_ptr<int32_t>(), stream);
+  } else {
+    launch_stats(reinterpret_cast<const __half*>(x.data_ptr()), M, K, nkb, xs.data_ptr<int32_t>(), stream);
+    launch_stats(reinterpret_cast<const __half*>(w.data_ptr()), N, K, nkb, ws.data_ptr<int32_t>(), stream);
+  }
+  TORCH_CHECK(nkb < (int64_t(1) << 31), "x: K = ", K, " exceeds the probe's grid");
+  slow_steps_kernel<<<unsigned(nkb), 256, 0, stream>>>(
+      xs.data_ptr<int32_t>(), ws.data_ptr<int32_t>(), M, N,
+      reinterpret_cast<unsigned long long*>(count.data_ptr<int64_t>()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {count, steps};
+}
+
+// The share now (one synchronization): explain_gemm, and a shape's first call. -1: not probed.
+double kernel_slow_share_now(const at::Tensor& x, const at::Tensor& w) {
+  if (!probe_applies(x, w)) return -1.0;
+  const auto [count, steps] = kernel_slow_steps(x, w);
+  return steps > 0 ? double(count.item<int64_t>()) / steps : 0.0;
+}
+
+// Per shape (M, N, K, dtype, device): the share last read, and the next one on its way to pinned
+// host memory behind an event. A shape's first call reads its share now; later calls take the
+// last share read, and every kReprobeCalls-th call sends a new probe on its way (no
+// synchronization: the share changes the route, never the bytes).
+constexpr int64_t kReprobeCalls = 16;
+
+struct KernelProbeState {
+  double share = -1.0;
+  int64_t calls = 0;
+  double steps = 0;
+  at::Tensor host;  // pinned int64: the count on its way
+  cudaEvent_t done = nullptr;
+  bool pending = false;
+};
+
+using ProbeKey = std::tuple<int64_t, int64_t, int64_t, int, int>;
+
+struct KernelProbeCache {
+  std::mutex mu;
+  std::map<ProbeKey, KernelProbeState> states;
+};
+
+KernelProbeCache& kernel_probe_cache() {
+  // Never destroyed: its pinned memory and events must not be freed after the CUDA runtime has
+  // shut down at exit (as the slices' guess cache).
+  static KernelProbeCache* cache = new KernelProbeCache;
+  return *cache;
+}
+
+bool event_done(cudaEvent_t e) {
+  const cudaError_t st = cudaEventQuery(e);
+  if (st == cudaErrorNotReady) {
+    (void)cudaGetLastError();  // not an error: clear it
+    return false;
+  }
+  C10_CUDA_CHECK(st);
+  return true;
+}
+
+// The probe of every det_gemm call whose plan is auto's kernel with rounded outputs.
+double kernel_slow_share_cached(const at::Tensor& x, const at::Tensor& w) {
+  if (!probe_applies(x, w)) return -1.0;
+  const ProbeKey key{x.size(0), w.size(0), x.size(1), int(x.scalar_type()), int(x.device().index())};
+  KernelProbeCache& cache = kernel_probe_cache();
+  std::lock_guard<std::mutex> lock(cache.mu);
+  KernelProbeState& st = cache.states[key];  // node-based map: the reference stays valid
+  if (st.pending && event_done(st.done)) {
+    st.share = st.steps > 0 ? double(st.host.data_ptr<int64_t>()[0]) / st.steps : 0.0;
+    st.pending = false;
+  }
+  if (st.share < 0) {
+    st.share = kernel_slow_share_now(x, w);
+    return st.share;
+  }
+  if (++st.calls % kReprobeCalls == 0 && !st.pending) {
+    const auto [count, steps] = kernel_slow_steps(x, w);
+    if (!st.host.defined()) {
+      st.host = at::empty({1}, count.options().device(at::kCPU).pinned_memory(true));
+      C10_CUDA_CHECK(cudaEventCreateWithFlags(&st.done, cudaEventDisableTiming));
+    }
+    st.host.copy_(count, /*non_blocking=*/true);
+    C10_CUDA_CHECK(cudaEventRecord(st.done, c10::cuda::getCurrentCUDAStream()));
+    st.steps = steps;
+    st.pending = true;
+  }
+  return st.share;
+}
+
 void check_gemm_devices(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device() == w.device(), "w: expected device ", x.device(), " to match x, got ", w.device());
   if (bias.has_value())
@@ -690,7 +858,7 @@ at::Tensor gemm_common_cuda(const at::Tensor& x, const at::Tensor& w, const c10:
   const LongAccGemm kernel = [&](const at::Tensor& xs, const at::Tensor& ws, const c10::optional<at::Tensor>& bs) {
     return gemm_kernel_cuda<kFinalize>(xs, ws, bs, norm_interval, out_dtype);
   };
-  return execute_gemm(&plan, x, w, bias, out_dtype, fp64_backend_cuda(), slices, kernel, nullptr);
+  return execute_gemm(&plan, x, w, bias, out_dtype, fp64_backend_cuda(), slices, kernel, kernel_slow_share_cached);
 }
 
 at::Tensor gemm_partial_cuda(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
@@ -731,7 +899,7 @@ std::string explain_gemm_cuda(const at::Tensor& x, const at::Tensor& w, bool dig
   check_gemm_args(x, w, c10::nullopt);
   check_gemm_devices(x, w, c10::nullopt);
   c10::cuda::CUDAGuard guard(x.device());
-  return plan_json(explain_gemm_plan(x, w, digits, checked_options(options), slice_backend_cuda(), nullptr));
+  return plan_json(explain_gemm_plan(x, w, digits, checked_options(options), slice_backend_cuda(), kernel_slow_share_now));
 }
 
 }  // namespace
