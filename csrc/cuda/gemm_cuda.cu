@@ -34,6 +34,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "cuda/event_done.h"
 #include "cuda/kernel_smem.cuh"
 #include "gemm_common.h"
 #include "op_checks.h"
@@ -797,16 +798,6 @@ KernelProbeCache& kernel_probe_cache() {
   // shut down at exit (as the slices' guess cache).
   static KernelProbeCache* cache = new KernelProbeCache;
   return *cache;
-}
-
-bool event_done(cudaEvent_t e) {
-  const cudaError_t st = cudaEventQuery(e);
-  if (st == cudaErrorNotReady) {
-    (void)cudaGetLastError();  // not an error: clear it
-    return false;
-  }
-  C10_CUDA_CHECK(st);
-  return true;
 }
 
 // The probe of every det_gemm call whose plan is auto's kernel with rounded outputs.

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 
+#include "cuda/event_done.h"
 #include "cuda/elements.cuh"
 #include "cuda/int8_gemm_lt.h"
 #include "int_slices_host.h"
@@ -559,15 +560,7 @@ void exact_rows_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, 
 struct CudaPendingSummary : PendingSummary {
   cudaEvent_t done = nullptr;
   int device = 0;
-  bool ready() override {
-    const cudaError_t st = cudaEventQuery(done);
-    if (st == cudaErrorNotReady) {
-      (void)cudaGetLastError();  // not an error: clear it
-      return false;
-    }
-    C10_CUDA_CHECK(st);
-    return true;
-  }
+  bool ready() override { return event_done(done); }
   ~CudaPendingSummary() override {
     if (done != nullptr) {
       c10::cuda::CUDAGuard guard(device);
