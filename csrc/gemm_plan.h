@@ -194,7 +194,9 @@ inline constexpr CostRow kCostTable[] = {
   {GemmDevice::kCuda, InputClass::kFp32, 0, 1, 2, kNoFigure, false, "kernel below 64^3 (fixed costs of the slices)"},
   {GemmDevice::kCuda, InputClass::kFp32, 18, 2, 1, kNoFigure, false, "slices from 64^3"},
   {GemmDevice::kCuda, InputClass::kFp32, 30, 7.41, 1.54, 1.28, true, "h200-gemm.json fp32 4096^3 normal"},
-  {GemmDevice::kCuda, InputClass::k16Bit, 0, 1.92, 7.14, kNoFigure, true, "bf16 1024^3: kernel 0.52x, slices 0.14x"},
+  {GemmDevice::kCuda, InputClass::k16Bit, 0, 1.74, 7.62, 4.44, true, "h200-gemm_small.json bf16 64^3 normal"},
+  {GemmDevice::kCuda, InputClass::k16Bit, 24, 2.99, 9.84, 4.01, true, "h200-gemm_small.json bf16 256^3 normal"},
+  {GemmDevice::kCuda, InputClass::k16Bit, 30, 4.54, 4.30, 2.48, true, "h200-gemm_small.json bf16 1024^3 normal"},
   {GemmDevice::kCuda, InputClass::k16Bit, 32, 4.07, 1.87, 2.22, true, "h100-gemm_routes.json bf16 8192x768x768"},
   {GemmDevice::kCuda, InputClass::k16Bit, 34, 1.75, 0.77, 1.57, true, "h200-gemm.json bf16 4096^3 normal"},
 };
