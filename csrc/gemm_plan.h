@@ -308,11 +308,12 @@ struct GemmPlan {
 // Wide exponent spread. The kernel's cost grows with it: a K-block of a tile whose row and column
 // spreads together exceed LDET_FAST_SPREAD goes product by product through the exact path, about
 // 75x a fast block on the CPU (bf16, e uniform in [-40, 40], 512^3: 1.14 s against 15 ms on normal
-// data), and on the GPU 0.0017x torch.mm fp32 at 4096^3 (h100-gemm.json). The fp64 route's cost
-// does not depend on the spread (0.011 s there; on normal data it takes 1.1-2.2x the kernel's
-// time, kCostTable). Auto hands a rounded call to the fp64 route when more than this share s of
-// the kernel's steps would be slow. Below it the kernel takes at most 1 + 74 s = 2.16x its time
-// on normal data, within 2x of the fp64 route's 1.1x or more.
+// data), and on the GPU 0.003x torch.mm fp32 at 1024^3 against 0.22x on normal data
+// (h200-gemm_small.json). The fp64 route's cost does not depend on the spread (0.37-0.40x there;
+// on normal data it takes 1.1-2.2x the kernel's time on the CPU, 0.55-2.5x on the GPU,
+// kCostTable). Auto hands a rounded call to the fp64 route when more than this share s of the
+// kernel's steps would be slow. Below it the kernel takes at most 1 + 74 s = 2.16x its time on
+// normal data, within 2x of the fp64 route's 1.1x or more on the CPU.
 constexpr double kKernelSlowShare = 1.0 / 64;
 
 // Sends an auto plan to the fp64 route, with the reason appended.
