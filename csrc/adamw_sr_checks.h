@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include "check.h"
 #include "adamw_sr.h"
 
 namespace ldet {
@@ -11,27 +12,27 @@ namespace ldet {
 inline void check_adamw_sr_args(const at::Tensor& param, const at::Tensor& grad,
                                 const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                                 int64_t base_index) {
-  TORCH_CHECK(param.scalar_type() == at::kFloat || param.scalar_type() == at::kBFloat16,
+  LDET_CHECK(param.scalar_type() == at::kFloat || param.scalar_type() == at::kBFloat16,
               "adamw_sr_step: param must be float32 or bfloat16, got ", param.scalar_type());
-  TORCH_CHECK(grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16,
+  LDET_CHECK(grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16,
               "adamw_sr_step: grad must be float32 or bfloat16, got ", grad.scalar_type());
-  TORCH_CHECK(exp_avg.scalar_type() == at::kFloat && exp_avg_sq.scalar_type() == at::kFloat,
+  LDET_CHECK(exp_avg.scalar_type() == at::kFloat && exp_avg_sq.scalar_type() == at::kFloat,
               "adamw_sr_step: exp_avg and exp_avg_sq must be float32, got ",
               exp_avg.scalar_type(), " and ", exp_avg_sq.scalar_type());
-  TORCH_CHECK(!grad.is_sparse(), "adamw_sr_step: sparse gradients are not supported");
+  LDET_CHECK(!grad.is_sparse(), "adamw_sr_step: sparse gradients are not supported");
   const int64_t n = param.numel();
-  TORCH_CHECK(grad.numel() == n && exp_avg.numel() == n && exp_avg_sq.numel() == n,
+  LDET_CHECK(grad.numel() == n && exp_avg.numel() == n && exp_avg_sq.numel() == n,
               "adamw_sr_step: grad, exp_avg and exp_avg_sq must have param's ", n,
               " elements, got ", grad.numel(), ", ", exp_avg.numel(), ", ", exp_avg_sq.numel());
-  TORCH_CHECK(param.is_contiguous() && grad.is_contiguous() && exp_avg.is_contiguous() &&
+  LDET_CHECK(param.is_contiguous() && grad.is_contiguous() && exp_avg.is_contiguous() &&
                   exp_avg_sq.is_contiguous(),
               "adamw_sr_step: param, grad, exp_avg and exp_avg_sq must be contiguous (the "
               "Philox index of an element is its offset in memory order)");
-  TORCH_CHECK(grad.device() == param.device() && exp_avg.device() == param.device() &&
+  LDET_CHECK(grad.device() == param.device() && exp_avg.device() == param.device() &&
                   exp_avg_sq.device() == param.device(),
               "adamw_sr_step: grad, exp_avg and exp_avg_sq must be on param's device ",
               param.device());
-  TORCH_CHECK(base_index >= 0 && base_index <= INT64_MAX - n,
+  LDET_CHECK(base_index >= 0 && base_index <= INT64_MAX - n,
               "adamw_sr_step: base_index must be in [0, 2^63 - numel], got ", base_index);
 }
 
@@ -67,9 +68,9 @@ inline AdamWLaunch prepare_adamw_sr(const at::Tensor& param, const at::Tensor& g
 }
 
 inline void check_sr_round_args(const at::Tensor& x, int64_t base_index) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "sr_round_bf16: x must be float32, got ",
+  LDET_CHECK(x.scalar_type() == at::kFloat, "sr_round_bf16: x must be float32, got ",
               x.scalar_type());
-  TORCH_CHECK(base_index >= 0 && base_index <= INT64_MAX - x.numel(),
+  LDET_CHECK(base_index >= 0 && base_index <= INT64_MAX - x.numel(),
               "sr_round_bf16: base_index must be in [0, 2^63 - numel], got ", base_index);
 }
 

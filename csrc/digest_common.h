@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "check.h"
 #include "hash.h"
 
 namespace ldet {
@@ -14,9 +15,9 @@ namespace ldet {
 // the byte count of `self`.
 inline int64_t digest_check_input(const at::Tensor& self, const char* op = "ldet::digest_chunks",
                                   const std::string& name = "`self`") {
-  TORCH_CHECK(self.layout() == at::kStrided,
+  LDET_CHECK(self.layout() == at::kStrided,
               op, ": ", name, " must be a strided (dense) tensor, got layout ", self.layout());
-  TORCH_CHECK(self.is_contiguous(),
+  LDET_CHECK(self.is_contiguous(),
               op, ": ", name, " must be contiguous (call .contiguous() first); got strides ", self.strides());
   return self.numel() * static_cast<int64_t>(self.element_size());
 }
@@ -28,7 +29,7 @@ inline std::vector<int64_t> digest_check_many(at::TensorList tensors) {
   nbytes.reserve(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
-    TORCH_CHECK(t.device() == tensors[0].device(), "ldet::digest_chunks_many: tensors[", i, "] is on ",
+    LDET_CHECK(t.device() == tensors[0].device(), "ldet::digest_chunks_many: tensors[", i, "] is on ",
                 t.device(), ", expected ", tensors[0].device(), " like tensors[0]");
     nbytes.push_back(digest_check_input(t, "ldet::digest_chunks_many", "tensors[" + std::to_string(i) + "]"));
   }

@@ -12,6 +12,7 @@
 #include <tuple>
 #include <utility>
 
+#include "check.h"
 #include "fp64_bound.h"
 #include "gemm_plan.h"
 #include "int_slices_host.h"
@@ -61,7 +62,7 @@ inline at::Tensor gemm_fp64_bound(const GemmPlan& plan, const at::Tensor& x_in, 
                                   const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype,
                                   const Fp64Backend& be) {
   const int64_t M = plan.M, K = plan.K, N = plan.N;
-  TORCH_CHECK(K <= (int64_t(1) << 33), "x: K = ", K, " exceeds the fp64 route's bound (2^33)");
+  LDET_CHECK(K <= (int64_t(1) << 33), "x: K = ", K, " exceeds the fp64 route's bound (2^33)");
   const int fmt = out_format(out_dtype);
   // row-major operands (DetLinear's backward passes transposed views): the GEMM, the norms and
   // the recomputation of undecided outputs (a warp along a row) all read rows

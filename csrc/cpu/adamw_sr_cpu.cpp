@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "check.h"
 #include "cpu/fp_env.h"
 #include "adamw_sr.h"
 #include "adamw_sr_checks.h"
@@ -121,7 +122,7 @@ void adamw_sr_step_cpu(at::Tensor param, const at::Tensor& grad, at::Tensor exp_
       ldet::prepare_adamw_sr(param, grad, exp_avg, exp_avg_sq, decay, beta1, one_minus_beta1,
                              beta2, one_minus_beta2, step_size, bc2_sqrt, eps, seed, step,
                              base_index);
-  TORCH_CHECK(param.device().is_cpu(), "adamw_sr_step (CPU): param must be on the CPU");
+  LDET_CHECK(param.device().is_cpu(), "adamw_sr_step (CPU): param must be on the CPU");
   const int64_t n = param.numel();
   if (n == 0) return;
   using namespace ldet::cpu_detail;

@@ -15,6 +15,7 @@
 #include <tuple>
 #include <vector>
 
+#include "check.h"
 #include "attention.h"
 #include "attention_checks.h"
 #include "cpu/fp_env.h"
@@ -79,7 +80,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const 
                                                      const c10::optional<at::Tensor>& mask, double scale, bool causal,
                                                      at::IntArrayRef dropout, double dropout_mult) {
   const AttnLaunch a = prepare_attention(q, k, v, mask, scale, causal, dropout, dropout_mult);
-  TORCH_CHECK(q.device().is_cpu(), "attention_fwd (CPU): q must be on the CPU");
+  LDET_CHECK(q.device().is_cpu(), "attention_fwd (CPU): q must be on the CPU");
   const auto& sh = a.shape;
   at::Tensor o = at::empty({sh.B, sh.H, sh.Lq, sh.Ev}, q.options().dtype(at::kFloat));
   at::Tensor stats = at::empty({sh.B, sh.H, sh.Lq, 2}, q.options().dtype(at::kFloat));
@@ -145,7 +146,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
     double dropout_mult) {
   const AttnLaunch a = prepare_attention(q, k, v, mask, scale, causal, dropout, dropout_mult);
   check_attention_bwd(dout, o, stats, a, q);
-  TORCH_CHECK(q.device().is_cpu(), "attention_bwd (CPU): q must be on the CPU");
+  LDET_CHECK(q.device().is_cpu(), "attention_bwd (CPU): q must be on the CPU");
   const auto& sh = a.shape;
   at::Tensor dq = at::zeros({sh.B, sh.H, sh.Lq, sh.E}, q.options().dtype(at::kFloat));
   at::Tensor dk = at::zeros({sh.B, sh.Hkv, sh.Lk, sh.E}, q.options().dtype(at::kFloat));
@@ -220,7 +221,7 @@ at::Tensor attention_probs_cpu(const at::Tensor& q, const at::Tensor& k, const a
                                const c10::optional<at::Tensor>& mask, double scale, bool causal) {
   const AttnLaunch a = prepare_attention(q, k, k, mask, scale, causal, {}, 1.0);
   check_attention_stats(stats, a, q);
-  TORCH_CHECK(q.device().is_cpu(), "attention_probs (CPU): q must be on the CPU");
+  LDET_CHECK(q.device().is_cpu(), "attention_probs (CPU): q must be on the CPU");
   const auto& sh = a.shape;
   at::Tensor p = at::zeros({sh.B, sh.H, sh.Lq, sh.Lk}, q.options().dtype(at::kFloat));
   if (p.numel() == 0) return p;

@@ -8,6 +8,7 @@
 
 #include <ATen/Parallel.h>
 
+#include "check.h"
 #include "cpu/detmath_vector.h"
 #include "cpu/fp_env.h"
 #include "detmath.h"
@@ -63,7 +64,7 @@ at::Tensor act_backward_cpu(const at::Tensor& grad, const at::Tensor& x, int64_t
   check_float_input(x, "x");
   check_float_input(grad, "grad");
   check_act_kind(kind);
-  TORCH_CHECK(grad.sizes() == x.sizes(), "grad: expected shape ", x.sizes(), " like x, got ", grad.sizes());
+  LDET_CHECK(grad.sizes() == x.sizes(), "grad: expected shape ", x.sizes(), " like x, got ", grad.sizes());
   const int fmt = out_format(x.scalar_type());
   const at::Tensor xd = x.contiguous().to(at::kDouble);
   const at::Tensor gd = grad.contiguous().to(at::kDouble);

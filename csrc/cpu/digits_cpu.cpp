@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "check.h"
 #include "cpu/fp_env.h"
 #include "op_checks.h"
 #include "uninit.h"
@@ -71,7 +72,7 @@ at::Tensor scatter_sum_cpu(const at::Tensor& a, const at::Tensor& index, int64_t
   const int64_t R = a.size(0), W = a.size(1);
   const int64_t* idx = ic.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r)
-    TORCH_CHECK(idx[r] >= 0 && idx[r] < n_out, "index: expected values in [0, ", n_out, "), got ", idx[r],
+    LDET_CHECK(idx[r] >= 0 && idx[r] < n_out, "index: expected values in [0, ", n_out, "), got ", idx[r],
                 " at position ", r);
   at::Tensor out = at::zeros({n_out, W, LDET_WORDS}, a.options().dtype(at::kLong));
   const double* src = ad.data_ptr<double>();

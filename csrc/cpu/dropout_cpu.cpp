@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <torch/library.h>
 
+#include "check.h"
 #include "dropout.h"
 #include "dropout_checks.h"
 
@@ -13,7 +14,7 @@ namespace {
 at::Tensor dropout_mask_cpu(const at::Tensor& x, int64_t batch_dim, int64_t threshold, int64_t seed,
                             int64_t step, int64_t offset, int64_t site) {
   const ldet::DropoutLaunch a = ldet::prepare_dropout_mask(x, batch_dim, threshold, seed, step, offset, site);
-  TORCH_CHECK(x.device().is_cpu(), "dropout_mask (CPU): x must be on the CPU");
+  LDET_CHECK(x.device().is_cpu(), "dropout_mask (CPU): x must be on the CPU");
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kBool).memory_format(at::MemoryFormat::Contiguous));
   const int64_t rows = a.shape.outer * a.shape.samples, inner = a.shape.inner;
   if (rows == 0 || inner == 0) return out;

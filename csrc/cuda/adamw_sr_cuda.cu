@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "check.h"
 #include "adamw_sr.h"
 #include "adamw_sr_checks.h"
 #include "cuda/adamw_sr_kernels.cuh"
@@ -47,7 +48,7 @@ void adamw_sr_step_cuda(at::Tensor param, const at::Tensor& grad, at::Tensor exp
       ldet::prepare_adamw_sr(param, grad, exp_avg, exp_avg_sq, decay, beta1, one_minus_beta1,
                              beta2, one_minus_beta2, step_size, bc2_sqrt, eps, seed, step,
                              base_index);
-  TORCH_CHECK(param.is_cuda(), "adamw_sr_step (CUDA): param must be a CUDA tensor");
+  LDET_CHECK(param.is_cuda(), "adamw_sr_step (CUDA): param must be a CUDA tensor");
   if (param.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(param.device());
   if (a.param_fp32 && a.grad_fp32) launch<float, float>(param, grad, exp_avg, exp_avg_sq, a);
@@ -59,7 +60,7 @@ void adamw_sr_step_cuda(at::Tensor param, const at::Tensor& grad, at::Tensor exp
 at::Tensor sr_round_bf16_cuda(const at::Tensor& x_in, int64_t seed, int64_t step,
                               int64_t base_index) {
   ldet::check_sr_round_args(x_in, base_index);
-  TORCH_CHECK(x_in.is_cuda(), "sr_round_bf16 (CUDA): x must be a CUDA tensor");
+  LDET_CHECK(x_in.is_cuda(), "sr_round_bf16 (CUDA): x must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));

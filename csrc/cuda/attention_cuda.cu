@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <tuple>
 
+#include "check.h"
 #include "attention.h"
 #include "attention_checks.h"
 #include "cuda/attention_kernels.cuh"
@@ -31,7 +32,7 @@ template <typename Kernel>
 void require_smem(Kernel kernel, size_t bytes, int ep, const char* op) {
   int dev = 0, optin = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
-  TORCH_CHECK(prepare_smem(dev, kernel, bytes, &optin), op, " (CUDA): head dimensions up to ", ep, " need ", bytes,
+  LDET_CHECK(prepare_smem(dev, kernel, bytes, &optin), op, " (CUDA): head dimensions up to ", ep, " need ", bytes,
               " bytes of shared memory per block; this GPU offers ", optin);
 }
 
@@ -42,7 +43,7 @@ void launch_fwd(const AttnLaunch& a, const at::Tensor& q, const at::Tensor& k, c
   require_smem(attn_fwd_kernel<EP>, smem, EP, "attention_fwd");
   const auto& s = a.shape;
   const int64_t blocks = (s.Lq + Tiles<EP>::FQ - 1) / Tiles<EP>::FQ * s.B * s.H;
-  TORCH_CHECK(blocks < (int64_t(1) << 31), "attention_fwd (CUDA): too many query tiles: ", blocks);
+  LDET_CHECK(blocks < (int64_t(1) << 31), "attention_fwd (CUDA): too many query tiles: ", blocks);
   attn_fwd_kernel<EP><<<unsigned(blocks), kThreads, smem, stream>>>(a, q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                                         o.data_ptr<float>(), stats.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -58,7 +59,7 @@ void launch_bwd(const AttnLaunch& a, const at::Tensor& q, const at::Tensor& k, c
   const auto& s = a.shape;
   const int64_t blocks_q = (s.Lq + Tiles<EP>::FQ - 1) / Tiles<EP>::FQ * s.B * s.H;
   const int64_t blocks_kv = (s.Lk + Tiles<EP>::KK - 1) / Tiles<EP>::KK * s.B * s.Hkv;
-  TORCH_CHECK(blocks_q < (int64_t(1) << 31) && blocks_kv < (int64_t(1) << 31),
+  LDET_CHECK(blocks_q < (int64_t(1) << 31) && blocks_kv < (int64_t(1) << 31),
               "attention_bwd (CUDA): too many tiles: ", blocks_q, " and ", blocks_kv);
   attn_bwd_q_kernel<EP><<<unsigned(blocks_q), kThreads, smem_q, stream>>>(a, q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                                               dout.data_ptr(), stats.data_ptr<float>(),
@@ -75,7 +76,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(const at::Tensor& q, const
                                                       const c10::optional<at::Tensor>& mask, double scale, bool causal,
                                                       at::IntArrayRef dropout, double dropout_mult) {
   const AttnLaunch a = prepare_attention(q, k, v, mask, scale, causal, dropout, dropout_mult);
-  TORCH_CHECK(q.device().is_cuda(), "attention_fwd (CUDA): q must be on a CUDA device");
+  LDET_CHECK(q.device().is_cuda(), "attention_fwd (CUDA): q must be on a CUDA device");
   c10::cuda::CUDAGuard guard(q.device());
   const auto& s = a.shape;
   // every element is written: each row of each query tile, each column below Ev
@@ -102,7 +103,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
     double dropout_mult) {
   const AttnLaunch a = prepare_attention(q, k, v, mask, scale, causal, dropout, dropout_mult);
   check_attention_bwd(dout, o, stats, a, q);
-  TORCH_CHECK(q.device().is_cuda(), "attention_bwd (CUDA): q must be on a CUDA device");
+  LDET_CHECK(q.device().is_cuda(), "attention_bwd (CUDA): q must be on a CUDA device");
   c10::cuda::CUDAGuard guard(q.device());
   const auto& s = a.shape;
   // dq: every row of every query tile; dk, dv: every key of every key tile (a key no query may
@@ -134,7 +135,7 @@ at::Tensor attention_probs_cuda(const at::Tensor& q, const at::Tensor& k, const 
                                 const c10::optional<at::Tensor>& mask, double scale, bool causal) {
   const AttnLaunch a = prepare_attention(q, k, k, mask, scale, causal, {}, 1.0);
   check_attention_stats(stats, a, q);
-  TORCH_CHECK(q.device().is_cuda(), "attention_probs (CUDA): q must be on a CUDA device");
+  LDET_CHECK(q.device().is_cuda(), "attention_probs (CUDA): q must be on a CUDA device");
   c10::cuda::CUDAGuard guard(q.device());
   const auto& s = a.shape;
   at::Tensor p = uninit({s.B, s.H, s.Lq, s.Lk}, q.options().dtype(at::kFloat));  // one thread per element

@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "check.h"
 #include "cuda/elements.cuh"
 #include "cuda/gelu_fast.cuh"
 #include "detmath.h"
@@ -67,8 +68,8 @@ at::Tensor act_launch(const at::Tensor& x, const at::Tensor* grad, int64_t kind)
   at::Tensor xc = x.contiguous(), gc;
   if (grad) {
     check_float_input(*grad, "grad");
-    TORCH_CHECK(grad->sizes() == x.sizes(), "grad: expected shape ", x.sizes(), " like x, got ", grad->sizes());
-    TORCH_CHECK(grad->device() == x.device(), "grad: expected device ", x.device(), ", got ", grad->device());
+    LDET_CHECK(grad->sizes() == x.sizes(), "grad: expected shape ", x.sizes(), " like x, got ", grad->sizes());
+    LDET_CHECK(grad->device() == x.device(), "grad: expected device ", x.device(), ", got ", grad->device());
     std::tie(xc, gc) = same_type(x, *grad);
   }
   at::Tensor out = uninit(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));  // one thread per element

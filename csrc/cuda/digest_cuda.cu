@@ -10,6 +10,7 @@
 
 #include <cstdint>
 
+#include "check.h"
 #include "digest_common.h"
 
 namespace {
@@ -77,7 +78,7 @@ at::Tensor digest_chunks_cuda(const at::Tensor& self) {
   const int64_t nchunks = ldet::hash_num_chunks(nbytes);
   at::Tensor out = at::empty({nchunks}, self.options().dtype(at::kLong));
   if (nchunks == 0) return out;
-  TORCH_CHECK(nchunks < (int64_t(1) << 31), "ldet::digest_chunks: tensor too large (", nbytes, " bytes)");
+  LDET_CHECK(nchunks < (int64_t(1) << 31), "ldet::digest_chunks: tensor too large (", nbytes, " bytes)");
   const uint8_t* p = static_cast<const uint8_t*>(self.data_ptr());
   const bool aligned = (reinterpret_cast<uintptr_t>(p) % 8) == 0;
   auto stream = c10::cuda::getCurrentCUDAStream();
@@ -89,8 +90,8 @@ at::Tensor digest_chunks_cuda(const at::Tensor& self) {
 
 at::Tensor digest_chunks_many_cuda(at::TensorList tensors) {
   const std::vector<int64_t> nbytes = ldet::digest_check_many(tensors);
-  TORCH_CHECK(!tensors.empty(), "ldet::digest_chunks_many: tensors must not be empty");
-  TORCH_CHECK(tensors.size() < (size_t(1) << 30), "ldet::digest_chunks_many: too many tensors (", tensors.size(), ")");
+  LDET_CHECK(!tensors.empty(), "ldet::digest_chunks_many: tensors must not be empty");
+  LDET_CHECK(tensors.size() < (size_t(1) << 30), "ldet::digest_chunks_many: too many tensors (", tensors.size(), ")");
   c10::cuda::CUDAGuard guard(tensors[0].device());
   const int n = static_cast<int>(tensors.size());
   // The table goes to the device through pinned memory: a non-blocking copy, and the caching
@@ -106,7 +107,7 @@ at::Tensor digest_chunks_many_cuda(at::TensorList tensors) {
   }
   at::Tensor out = at::empty({total}, tensors[0].options().dtype(at::kLong));
   if (total == 0) return out;
-  TORCH_CHECK(total < (int64_t(1) << 31), "ldet::digest_chunks_many: too many chunks (", total, ")");
+  LDET_CHECK(total < (int64_t(1) << 31), "ldet::digest_chunks_many: too many chunks (", total, ")");
   at::Tensor table = host.to(tensors[0].device(), /*non_blocking=*/true);
   auto stream = c10::cuda::getCurrentCUDAStream();
   digest_chunks_many_kernel<<<static_cast<unsigned>(total), kThreads, 0, stream>>>(

@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "check.h"
 #include "dropout.h"
 #include "dropout_checks.h"
 #include "uninit.h"
@@ -38,7 +39,7 @@ __global__ void dropout_mask_kernel(bool* __restrict__ out, DropoutShape s, Drop
 at::Tensor dropout_mask_cuda(const at::Tensor& x, int64_t batch_dim, int64_t threshold, int64_t seed, int64_t step,
                              int64_t offset, int64_t site) {
   const DropoutLaunch a = prepare_dropout_mask(x, batch_dim, threshold, seed, step, offset, site);
-  TORCH_CHECK(x.device().is_cuda(), "dropout_mask (CUDA): x must be on a CUDA device");
+  LDET_CHECK(x.device().is_cuda(), "dropout_mask (CUDA): x must be on a CUDA device");
   c10::cuda::CUDAGuard guard(x.device());
   // every element is written: each row's blocks cover all of its elements
   at::Tensor out = uninit(x.sizes(), x.options().dtype(at::kBool).memory_format(at::MemoryFormat::Contiguous));

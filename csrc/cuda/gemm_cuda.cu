@@ -34,6 +34,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "check.h"
 #include "cuda/event_done.h"
 #include "cuda/kernel_smem.cuh"
 #include "gemm_common.h"
@@ -594,8 +595,8 @@ void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& xs, cons
   const int64_t Mb = batch * M, Nb = batch * N;  // every slice's rows: one statistics pass each
   launch_stats(xp, Mb, K, nkb, xs.data_ptr<int32_t>(), stream);
   launch_stats(wp, Nb, K, nkb, ws.data_ptr<int32_t>(), stream);
-  TORCH_CHECK((M + BM - 1) / BM < 65536, "x: M = ", M, " exceeds this kernel's grid limit of ", 65535 * BM, " rows");
-  TORCH_CHECK(batch < 65536, "x: ", batch, " slices exceed this kernel's grid limit of 65535");
+  LDET_CHECK((M + BM - 1) / BM < 65536, "x: M = ", M, " exceeds this kernel's grid limit of ", 65535 * BM, " rows");
+  LDET_CHECK(batch < 65536, "x: ", batch, " slices exceed this kernel's grid limit of 65535");
   constexpr int VEC = 16 / sizeof(T);
   const bool vec_ok = K % VEC == 0 && reinterpret_cast<uintptr_t>(xp) % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(wp) % 16 == 0;
@@ -620,7 +621,7 @@ void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& xs, cons
     if (try_launch(gemm_kernel<T, kFinalize, true, 2>, 2 * kStageBytes + kSBytes)) return;
     if (try_launch(gemm_kernel<T, kFinalize, true, 1>, kStageBytes + kSBytes)) return;
   }
-  TORCH_CHECK(try_launch(gemm_kernel<T, kFinalize, false, 1>, kStageBytes),
+  LDET_CHECK(try_launch(gemm_kernel<T, kFinalize, false, 1>, kStageBytes),
               "det_gemm: this GPU's per-block shared memory (", optin, " bytes) is below the kernel's ", kStageBytes);
 }
 
@@ -756,7 +757,7 @@ std::pair<at::Tensor, double> kernel_slow_steps(const at::Tensor& x_in, const at
     launch_stats(reinterpret_cast<const __half*>(x.data_ptr()), M, K, nkb, xs.data_ptr<int32_t>(), stream);
     launch_stats(reinterpret_cast<const __half*>(w.data_ptr()), N, K, nkb, ws.data_ptr<int32_t>(), stream);
   }
-  TORCH_CHECK(nkb < (int64_t(1) << 31), "x: K = ", K, " exceeds the probe's grid");
+  LDET_CHECK(nkb < (int64_t(1) << 31), "x: K = ", K, " exceeds the probe's grid");
   slow_steps_kernel<<<unsigned(nkb), 256, 0, stream>>>(
       xs.data_ptr<int32_t>(), ws.data_ptr<int32_t>(), M, N,
       reinterpret_cast<unsigned long long*>(count.data_ptr<int64_t>()));
@@ -830,9 +831,9 @@ double kernel_slow_share_cached(const at::Tensor& x, const at::Tensor& w) {
 }
 
 void check_gemm_devices(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device() == w.device(), "w: expected device ", x.device(), " to match x, got ", w.device());
+  LDET_CHECK(x.device() == w.device(), "w: expected device ", x.device(), " to match x, got ", w.device());
   if (bias.has_value())
-    TORCH_CHECK(bias->device() == x.device(), "bias: expected device ", x.device(), ", got ", bias->device());
+    LDET_CHECK(bias->device() == x.device(), "bias: expected device ", x.device(), ", got ", bias->device());
 }
 
 // Plans the call (csrc/gemm_plan.h) and runs the plan (csrc/gemm_execute.h).

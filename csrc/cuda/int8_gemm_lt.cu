@@ -9,6 +9,7 @@
 // heuristic's first choice, or for int8 on request the fastest of its first eight, timed once
 // (tune, below). The fp64 GEMMs ask for CUBLAS_COMPUTE_64F, native IEEE fp64 (not cuBLAS's
 // emulated fp64, a compute type of its own): fp64_bound.h's error bound assumes it.
+#include "check.h"
 #include "cuda/int8_gemm_lt.h"
 
 #include <ATen/cuda/CUDAContextLight.h>
@@ -28,7 +29,7 @@ namespace {
 #define LDET_LT_CHECK(expr, what)                                                                         \
   do {                                                                                                    \
     const cublasStatus_t st_ = (expr);                                                                    \
-    TORCH_CHECK(st_ == CUBLAS_STATUS_SUCCESS, "GEMM (cuBLASLt): ", what, " failed with status ", int(st_)); \
+    LDET_CHECK(st_ == CUBLAS_STATUS_SUCCESS, "GEMM (cuBLASLt): ", what, " failed with status ", int(st_)); \
   } while (0)
 
 enum LtKind { kLtInt8 = 0, kLtF64 = 1 };
@@ -210,7 +211,7 @@ void lt_matmul(const LtKey& key, const LtArgs& args, const at::Device& device) {
 }  // namespace
 
 void int8_gemm_lt(const Int8Gemm& g, const at::Device& device) {
-  TORCH_CHECK(g.m > 0 && g.n > 0 && g.k > 0 && g.lda >= g.k && g.ldb >= g.k && g.ldc >= g.n,
+  LDET_CHECK(g.m > 0 && g.n > 0 && g.k > 0 && g.lda >= g.k && g.ldb >= g.k && g.ldc >= g.n,
               "int8 GEMM: expected positive m, n, k and row strides at least k (operands) and n (output)");
   if (use_torch_route()) return int8_mm_aten(g, device);
   const LtKey key{g.m, g.n, g.k, g.lda, g.ldb, g.ldc, alignment(g.a), alignment(g.b), alignment(g.c),
@@ -219,7 +220,7 @@ void int8_gemm_lt(const Int8Gemm& g, const at::Device& device) {
 }
 
 void fp64_gemm_lt(const Fp64Gemm& g, const at::Device& device) {
-  TORCH_CHECK(g.m > 0 && g.n > 0 && g.k > 0 && g.lda >= (g.a_rows ? g.k : g.m) && g.ldb >= (g.b_rows ? g.k : g.n) &&
+  LDET_CHECK(g.m > 0 && g.n > 0 && g.k > 0 && g.lda >= (g.a_rows ? g.k : g.m) && g.ldb >= (g.b_rows ? g.k : g.n) &&
                   g.ldc >= g.n,
               "fp64 GEMM: expected positive m, n, k and leading strides covering the stored rows");
   const LtKey key{g.m, g.n, g.k, g.lda, g.ldb, g.ldc, alignment(g.a), alignment(g.b), alignment(g.c),
