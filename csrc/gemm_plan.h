@@ -192,8 +192,10 @@ inline constexpr CostRow kCostTable[] = {
   {GemmDevice::kCpuAvx512, InputClass::k16Bit, 21, 3.94, 2.04, kNoFigure, true, "cpu-gemm.json bf16 512^3"},
   // CUDA, one H200 (cuBLASLt int8 and fp64).
   {GemmDevice::kCuda, InputClass::kFp32, 0, 1, 2, kNoFigure, false, "kernel below 64^3 (fixed costs of the slices)"},
-  {GemmDevice::kCuda, InputClass::kFp32, 18, 2, 1, kNoFigure, false, "slices from 64^3"},
-  {GemmDevice::kCuda, InputClass::kFp32, 30, 7.41, 1.54, 1.28, true, "h200-gemm.json fp32 4096^3 normal"},
+  {GemmDevice::kCuda, InputClass::kFp32, 18, 23.3, 12.0, 5.00, true, "h200-gemm_small.json fp32 64^3 normal"},
+  {GemmDevice::kCuda, InputClass::kFp32, 24, 21.7, 10.4, 5.52, true, "h200-gemm_small.json fp32 256^3 normal"},
+  {GemmDevice::kCuda, InputClass::kFp32, 30, 24.4, 4.98, 2.15, true, "h200-gemm_small.json fp32 1024^3 normal"},
+  {GemmDevice::kCuda, InputClass::kFp32, 36, 7.41, 1.54, 1.28, true, "h200-gemm.json fp32 4096^3 normal"},
   {GemmDevice::kCuda, InputClass::k16Bit, 0, 1.74, 7.62, 4.44, true, "h200-gemm_small.json bf16 64^3 normal"},
   {GemmDevice::kCuda, InputClass::k16Bit, 24, 2.99, 9.84, 4.01, true, "h200-gemm_small.json bf16 256^3 normal"},
   {GemmDevice::kCuda, InputClass::k16Bit, 30, 4.54, 4.30, 2.48, true, "h200-gemm_small.json bf16 1024^3 normal"},
