@@ -92,7 +92,8 @@ struct WideCheck {
 };
 
 // Both operands' summaries on their way to the host without a synchronization (a guessed plan
-// reads them at the GEMM's next call with the same shapes): `host` is valid once ready().
+// reads them at the GEMM's next call with the same shapes; CUDA's kernel probe sends its count
+// the same way): `host` is valid once ready().
 struct PendingSummary {
   at::Tensor host;
   virtual bool ready() = 0;

@@ -28,6 +28,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <tuple>
@@ -35,7 +36,6 @@
 #include <utility>
 
 #include "check.h"
-#include "cuda/event_done.h"
 #include "cuda/kernel_smem.cuh"
 #include "gemm_common.h"
 #include "op_checks.h"
@@ -772,19 +772,17 @@ double kernel_slow_share_now(const at::Tensor& x, const at::Tensor& w) {
   return steps > 0 ? double(count.item<int64_t>()) / steps : 0.0;
 }
 
-// Per shape (M, N, K, dtype, device): the share last read, and the next one on its way to pinned
-// host memory behind an event. A shape's first call reads its share now; later calls take the
-// last share read, and every kReprobeCalls-th call sends a new probe on its way (no
-// synchronization: the share changes the route, never the bytes).
+// Per shape (M, N, K, dtype, device): the share last read, and the next count on its way to
+// the host behind an event (the slices' summary_later). A shape's first call reads its share now;
+// later calls take the last share read, and every kReprobeCalls-th call sends a new probe on its
+// way (no synchronization: the share changes the route, never the bytes).
 constexpr int64_t kReprobeCalls = 16;
 
 struct KernelProbeState {
   double share = -1.0;
   int64_t calls = 0;
-  double steps = 0;
-  at::Tensor host;  // pinned int64: the count on its way
-  cudaEvent_t done = nullptr;
-  bool pending = false;
+  std::shared_ptr<PendingSummary> later;  // the slow steps' count on its way
+  double later_steps = 0;                 // the steps it counts among
 };
 
 using ProbeKey = std::tuple<int64_t, int64_t, int64_t, int, int>;
@@ -806,28 +804,27 @@ double kernel_slow_share_cached(const at::Tensor& x, const at::Tensor& w) {
   if (!probe_applies(x, w)) return -1.0;
   const ProbeKey key{x.size(0), w.size(0), x.size(1), int(x.scalar_type()), int(x.device().index())};
   KernelProbeCache& cache = kernel_probe_cache();
-  std::lock_guard<std::mutex> lock(cache.mu);
-  KernelProbeState& st = cache.states[key];  // node-based map: the reference stays valid
-  if (st.pending && event_done(st.done)) {
-    st.share = st.steps > 0 ? double(st.host.data_ptr<int64_t>()[0]) / st.steps : 0.0;
-    st.pending = false;
-  }
-  if (st.share < 0) {
-    st.share = kernel_slow_share_now(x, w);
-    return st.share;
-  }
-  if (++st.calls % kReprobeCalls == 0 && !st.pending) {
-    const auto [count, steps] = kernel_slow_steps(x, w);
-    if (!st.host.defined()) {
-      st.host = at::empty({1}, count.options().device(at::kCPU).pinned_memory(true));
-      C10_CUDA_CHECK(cudaEventCreateWithFlags(&st.done, cudaEventDisableTiming));
+  {
+    std::lock_guard<std::mutex> lock(cache.mu);
+    KernelProbeState& st = cache.states[key];  // node-based map: the reference stays valid
+    if (st.later && st.later->ready()) {
+      st.share = st.later_steps > 0 ? double(st.later->host.data_ptr<int64_t>()[0]) / st.later_steps : 0.0;
+      st.later.reset();
     }
-    st.host.copy_(count, /*non_blocking=*/true);
-    C10_CUDA_CHECK(cudaEventRecord(st.done, c10::cuda::getCurrentCUDAStream()));
-    st.steps = steps;
-    st.pending = true;
+    if (st.share >= 0) {
+      if (++st.calls % kReprobeCalls == 0 && !st.later) {
+        const auto [count, steps] = kernel_slow_steps(x, w);
+        st.later = slice_backend_cuda().summary_later(count);
+        st.later_steps = steps;
+      }
+      return st.share;
+    }
   }
-  return st.share;
+  // the shape's first call: its share now, the synchronization outside the lock
+  const double share = kernel_slow_share_now(x, w);
+  std::lock_guard<std::mutex> lock(cache.mu);
+  cache.states[key].share = share;
+  return share;
 }
 
 void check_gemm_devices(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
