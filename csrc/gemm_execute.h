@@ -35,6 +35,23 @@ inline void probe_kernel_plan(GemmPlan* plan, const at::Tensor& x, const at::Ten
     plan_kernel_stage(plan, probe(x, w));
 }
 
+// The slices route, in the orientation slices_transposed_for picks (gemm_plan.h): transposed,
+// the call runs as C^T = w x^T and its result (digits too) is transposed back; *plan ends in the
+// call's own orientation. Undefined when the slices' own plan hands the call to another route.
+inline at::Tensor run_slices(GemmPlan* plan, const at::Tensor& x, const at::Tensor& w,
+                             const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype, const SliceBackend& slices,
+                             const LongAccGemm& kernel) {
+  if (!slices_transposed_for(plan->M, plan->N, bias.has_value(), slice_target(slices)))
+    return gemm_int_slices(plan, x, w, bias, out_dtype, slices, kernel);
+  transpose_plan(plan);
+  at::Tensor out = gemm_int_slices(plan, w, x, bias, out_dtype, slices, kernel);
+  transpose_plan(plan);
+  if (plan->route != GemmRoute::kSlices) return out;  // undefined: the route that takes over runs as given
+  plan->slices_transposed = true;
+  record_slices_plan(plan->slices);
+  return out.transpose(0, 1).contiguous();
+}
+
 // Runs the plan: the slices (whose own plan may hand the call to the fp64 route or the kernel),
 // the fp64 route, or the long-accumulator kernel `kernel` (which also recomputes the rows the
 // slices cannot hold; the probe may first send auto's kernel to the fp64 route). *plan ends as
@@ -44,7 +61,7 @@ inline at::Tensor execute_gemm(GemmPlan* plan, const at::Tensor& x, const at::Te
                                const SliceBackend& slices, const LongAccGemm& kernel, const KernelProbe& probe) {
   if (!plan->digits) last_fp64_counts() = at::Tensor();  // until this call takes the fp64 route
   at::Tensor out;
-  if (plan->route == GemmRoute::kSlices) out = gemm_int_slices(plan, x, w, bias, out_dtype, slices, kernel);
+  if (plan->route == GemmRoute::kSlices) out = run_slices(plan, x, w, bias, out_dtype, slices, kernel);
   probe_kernel_plan(plan, x, w, probe);
   if (!out.defined() && plan->route == GemmRoute::kFp64) out = gemm_fp64_bound(*plan, x, w, bias, out_dtype, fp64);
   if (!out.defined()) out = kernel(x, w, bias);
@@ -52,9 +69,10 @@ inline at::Tensor execute_gemm(GemmPlan* plan, const at::Tensor& x, const at::Te
   return out;
 }
 
-// The plan a call with these operands and options would run, without running it: stage 1, the
-// kernel probe on these operands, and for the slices their plan from both operands' summaries
-// (computed here, one synchronization), or from the options' fixed guess. The guess cache and
+// The plan a call with these operands and options (and no bias) would run, without running it:
+// stage 1, the kernel probe on these operands, and for the slices their orientation and their
+// plan from both operands' summaries (computed here, one synchronization), or from the options'
+// fixed guess. The guess cache and
 // CUDA's probe cache are neither read nor changed: with cached guesses a call may take larger
 // counts than this shows, and on CUDA the route of its shape's last probe (never different bytes).
 inline GemmPlan explain_gemm_plan(const at::Tensor& x, const at::Tensor& w, bool digits, const GemmOptions& options,
@@ -62,14 +80,20 @@ inline GemmPlan explain_gemm_plan(const at::Tensor& x, const at::Tensor& w, bool
   GemmPlan plan = plan_for(x, w, slices.device, digits, options, true);
   probe_kernel_plan(&plan, x, w, probe);
   if (plan.route != GemmRoute::kSlices) return plan;
-  if (options.plan_x > 0) {
-    plan_slices_stage(&plan, nullptr, nullptr, options.plan_x, options.plan_w, slice_target(slices));
-    return plan;
+  const bool transposed = slices_transposed_for(plan.M, plan.N, false, slice_target(slices));
+  if (transposed) transpose_plan(&plan);
+  if (plan.options.plan_x > 0) {
+    plan_slices_stage(&plan, nullptr, nullptr, plan.options.plan_x, plan.options.plan_w, slice_target(slices));
+  } else {
+    const SliceRun r = transposed ? slices_summaries(w, x, false, slices) : slices_summaries(x, w, false, slices);
+    const at::Tensor summary = r.sums.cpu();
+    const int32_t* sx = summary.data_ptr<int32_t>();
+    plan_slices_stage(&plan, sx, sx + kSumLen, 0, 0, slice_target(slices));
   }
-  const SliceRun r = slices_summaries(x, w, false, slices);
-  const at::Tensor summary = r.sums.cpu();
-  const int32_t* sx = summary.data_ptr<int32_t>();
-  plan_slices_stage(&plan, sx, sx + kSumLen, 0, 0, slice_target(slices));
+  if (transposed) {
+    transpose_plan(&plan);
+    plan.slices_transposed = plan.route == GemmRoute::kSlices;
+  }
   return plan;
 }
 

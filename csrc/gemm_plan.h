@@ -304,6 +304,9 @@ struct GemmPlan {
   // Auto's kernel on a device that probes the operands first (plan_kernel_stage): the share of
   // the kernel's (tile, K-block) steps that miss its fast path; -1 when not probed.
   double kernel_slow_share = -1;
+  // The slices ran as C^T = w x^T (slices_transposed_for), their result transposed back; the
+  // slices' fields below stay named by x and w, their chunks (n_chunk) cut x's rows.
+  bool slices_transposed = false;
   SlicesPlan slices;
 };
 
@@ -319,11 +322,16 @@ struct GemmPlan {
 constexpr double kKernelSlowShare = 1.0 / 64;
 
 // Sends an auto plan to the fp64 route, with the reason appended.
+// The fp64 route's columns per fp64 GEMM: its (M, nc) fp64 products within the chunk MiB.
+inline int64_t fp64_n_chunk(int64_t M, int64_t N) {
+  const int64_t cap = gemm_env().fp64_chunk_mib;
+  return std::min<int64_t>(N, std::max<int64_t>(8, ((cap << 20) / (8 * std::max<int64_t>(M, 1))) / 8 * 8));
+}
+
 inline void take_fp64_route(GemmPlan* p, const std::string& why) {
   p->route = GemmRoute::kFp64;
   p->route_reason += why;
-  const int64_t cap = gemm_env().fp64_chunk_mib;
-  p->fp64_n_chunk = std::min<int64_t>(p->N, std::max<int64_t>(8, ((cap << 20) / (8 * p->M)) / 8 * 8));
+  p->fp64_n_chunk = fp64_n_chunk(p->M, p->N);
   p->fallback = "outputs the bound cannot decide: ordered fp64 sum, then the long accumulator";
 }
 
@@ -513,6 +521,36 @@ struct SliceTarget {
   int64_t chunk_max_outputs;  // chunk_columns' rule (0: none)
 };
 
+// The slices' orientation. Their int8 GEMMs take x's rows whole and w's rows in N-chunks
+// (chunk_columns). Where x has so many rows that w's chunks would be narrower than kNarrowChunk
+// columns, and fewer than N, the int8 GEMMs run far below their rate: GPT-2's head wgrad
+// (50304 x 768 x 8192, bf16) took 37 ms in chunks of 136 columns and 7.6 ms transposed, in chunks
+// of 10072, on an H100. There the slices run C^T = w x^T when that widens the chunks, and the
+// result is transposed back: the same exact sums, the same bytes. Not with a bias, which joins
+// each output column's exact sum. The widths are compared at one plane (the chunk MiB's widest).
+constexpr int64_t kNarrowChunk = 256;
+
+inline bool slices_transposed_for(int64_t M, int64_t N, bool has_bias, const SliceTarget& t) {
+  if (has_bias || M <= N) return false;
+  const int64_t mib = gemm_env().slices_chunk_mib;
+  const int64_t as_is = chunk_columns(N, std::max<int64_t>(M, 17), 1, mib, t.chunk_max_outputs).first;
+  const int64_t swapped = chunk_columns(M, std::max<int64_t>(N, 17), 1, mib, t.chunk_max_outputs).first;
+  return as_is < std::min(N, kNarrowChunk) && swapped > as_is;
+}
+
+// The plan of the transposed call (x and w exchanged, M and N with them), or back: the slices'
+// counts, residues, rows left to the kernel and fixed guesses change operands; an fp64 route's
+// chunk is recomputed for the new M and N.
+inline void transpose_plan(GemmPlan* p) {
+  std::swap(p->M, p->N);
+  std::swap(p->options.plan_x, p->options.plan_w);
+  SlicesPlan& s = p->slices;
+  std::swap(s.slices_x, s.slices_w);
+  std::swap(s.residues_x, s.residues_w);
+  std::swap(s.kernel_rows_x, s.kernel_rows_w);
+  if (p->route == GemmRoute::kFp64) p->fp64_n_chunk = fp64_n_chunk(p->M, p->N);
+}
+
 // Stage 2: the slices' plan from the summaries sx, sw (host memory, kSumLen int32 each), or, with
 // guess (Sx, Sw) > 0 and null summaries, from that guess. Fills p->slices; the caller falls back
 // to the kernel when !p->slices.worth_it under auto.
@@ -621,6 +659,7 @@ inline std::string plan_json(const GemmPlan& p) {
   flag("fp32_split", p.fp32_split);
   integer("fp64_n_chunk", p.fp64_n_chunk);
   num("kernel_slow_share", p.kernel_slow_share);
+  flag("slices_transposed", p.slices_transposed);
   const SlicesPlan& s = p.slices;
   flag("slices_planned", s.planned);
   flag("slices_guessed", s.guessed);

@@ -177,6 +177,10 @@ struct SliceBackend {
 // the counts it did not wait for.
 std::array<int64_t, 7>& last_slices_plan();
 
+inline void record_slices_plan(const SlicesPlan& s) {
+  last_slices_plan() = {s.slices_x, s.slices_w, s.residues_x, s.residues_w, s.kernel_rows_x, s.kernel_rows_w, s.moduli};
+}
+
 // The gemm / gemm_partial ops' options argument [plan_x, plan_w(, route)] checked
 // (csrc/schema/gemm.cpp; gemm_plan.h, GemmOptions): a clear error names the bad value.
 GemmOptions checked_options(at::IntArrayRef options);
@@ -387,8 +391,7 @@ inline bool slices_plan_step(GemmPlan* plan, SliceRun& r, std::pair<int64_t, int
     r.res_x = plan->slices.residues_x > 0;
     r.res_w = plan->slices.residues_w > 0;
   }
-  const SlicesPlan& s = plan->slices;
-  last_slices_plan() = {s.slices_x, s.slices_w, s.residues_x, s.residues_w, s.kernel_rows_x, s.kernel_rows_w, s.moduli};
+  record_slices_plan(plan->slices);
   return true;
 }
 

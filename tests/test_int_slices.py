@@ -10,7 +10,7 @@ import torch
 from conftest import assert_bitwise, assert_same_everywhere, both_paths, seven_bit_digits_gemm
 
 import gen
-from lightning_det.ops import det_gemm, det_gemm_partial, gemm_path, last_slices_plan
+from lightning_det.ops import det_gemm, det_gemm_partial, explain_gemm, gemm_path, last_gemm_plan, last_slices_plan
 from lightning_det.reference import longacc_ref as R
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -385,3 +385,56 @@ def test_buffers_the_kernels_write_skip_the_deterministic_fill(fill, device):
         assert fills > 0, "the control: at::empty fills under deterministic algorithms"
     else:
         assert fills == 0, f"{fills} deterministic fills of buffers the kernels write in full"
+
+
+TRANSPOSED_CHECK = r"""
+import sys, torch
+sys.path.insert(0, "tests")
+import gen
+from lightning_det.ops import det_gemm, det_gemm_partial, explain_gemm, last_gemm_plan, last_slices_plan
+x, w = gen.normal((20000, 48), torch.float32, 64), gen.normal((64, 48), torch.float32, 65)
+x[7, :2] = torch.tensor([2.0**60, 2.0**-60])  # beyond every slice count: the kernel's fix-up row
+want = sys.argv[1] == "1"
+plan = explain_gemm(x, w, route="slices")
+assert plan.fields["slices_transposed"] == want and plan.fields["kernel_rows_x"] == 1, plan
+for dtype in (torch.float32, torch.bfloat16):
+    xd, wd = x.to(dtype), w.to(dtype)
+    y = det_gemm(xd, wd, route="slices")
+    assert last_gemm_plan().fields["slices_transposed"] == want and last_slices_plan()["kernel_rows_x"] == 1
+    assert torch.equal(y, det_gemm(xd, wd, route="kernel")), dtype
+    d = det_gemm_partial(xd, wd, route="slices")
+    assert last_gemm_plan().fields["slices_transposed"] == want and d.is_contiguous()
+    assert torch.equal(d, det_gemm_partial(xd, wd, route="kernel")), dtype
+    y = det_gemm(xd, wd, route="slices", plans=(2, 3))  # a guess too small for some rows: exact_rows
+    assert (last_slices_plan()["slices_x"], last_slices_plan()["slices_w"]) == (2, 3)
+    assert torch.equal(y, det_gemm(xd, wd, route="kernel")), dtype
+b = gen.normal((64,), torch.float32, 66)  # a bias joins each column's exact sum: never transposed
+y = det_gemm(x, w, b, route="slices")
+assert not last_gemm_plan().fields["slices_transposed"]
+assert torch.equal(y, det_gemm(x, w, b, route="kernel"))
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("chunk_mib", ["1", "256"])
+def test_tall_x_runs_the_slices_transposed(chunk_mib):
+    # at 1 MiB of int32 planes, w's N-chunks over x's 20000 rows would be 8 columns wide: the
+    # slices run C^T = w x^T in chunks of x's rows and transpose the result back; the kernel's
+    # bytes, rounded and digits, planned and guessed. At 256 MiB (the control) w's 64 rows fit
+    # one chunk and nothing is transposed. The knob is read once per process: a subprocess each.
+    env = dict(os.environ, LIGHTNING_DET_SLICES_CHUNK_MIB=chunk_mib)
+    out = subprocess.run([sys.executable, "-c", TRANSPOSED_CHECK, "1" if chunk_mib == "1" else "0"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_tall_x_runs_the_slices_transposed():
+    # GPT-2's head wgrad shape class: 50304 rows of x against 768 of w leave w's chunks 136
+    # columns wide under cuBLASLt's output cap; transposed, the CPU's bytes
+    x, w = gen.normal((50304, 64), torch.float32, 67).bfloat16(), gen.normal((768, 64), torch.float32, 68).bfloat16()
+    xc, wc = x.cuda(), w.cuda()
+    assert explain_gemm(xc, wc, route="slices").fields["slices_transposed"]
+    y = det_gemm(xc, wc, route="slices", out_dtype=torch.bfloat16)
+    assert last_gemm_plan().fields["slices_transposed"]
+    assert torch.equal(y.cpu(), det_gemm(x, w, out_dtype=torch.bfloat16))

@@ -277,7 +277,9 @@ class GemmPlan:
     route cannot. For the slices: ``slices_x`` / ``slices_w`` (int8 digits per value),
     ``moduli`` (CRT moduli; 0: one GEMM per diagonal of slice pairs), ``way_reason`` and
     ``counts_reason``, ``residues_*``, ``kernel_rows_*`` (rows left to the kernel), K- and
-    N-chunks. ``fields`` holds every field the planner printed.
+    N-chunks, and ``fields["slices_transposed"]`` (the call ran as C^T = w x^T, x's rows in
+    chunks: a tall x would leave w's chunks narrow). ``fields`` holds every field the planner
+    printed.
     """
 
     route: str
@@ -316,7 +318,8 @@ def explain_gemm(
     route: Optional[str] = None,
 ) -> GemmPlan:
     """The plan :func:`det_gemm` (``output="rounded"``) or :func:`det_gemm_partial`
-    (``output="digits"``) would run for these operands, with the reason for every choice.
+    (``output="digits"``) would run for these operands without a bias, with the reason for every
+    choice.
 
     Runs the planner only; for the slices it also reads both operands' row summaries (their
     exponent ranges, one pass over the data), as the call itself would. With ``plans="cached"``
