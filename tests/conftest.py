@@ -154,6 +154,20 @@ def env_with_mpi() -> dict:
     return env
 
 
+def rerun_in_fresh_process(request, **env) -> bool:
+    """For a test whose environment knobs the core reads once per process (GemmEnv: at its first
+    GEMM): True in the test's own process, after the test ran again in a child pytest process with
+    these variables set, and passed there; False in that child, which then runs the test's body."""
+    node = request.node.nodeid
+    if os.environ.get("LDET_FRESH_PROCESS_TEST") == node:
+        return False
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node], cwd=REPO,
+                          env=dict(os.environ, LDET_FRESH_PROCESS_TEST=node, **env), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, f"{node} with {env}, in a fresh process:\n{proc.stdout[-5000:]}\n{proc.stderr[-2000:]}"
+    return True
+
+
 def run_cmd(args: list, timeout: float = 180, check: bool = True, **env) -> subprocess.CompletedProcess:
     proc = subprocess.run([str(a) for a in args], cwd=REPO, env=clean_env(**env), capture_output=True, text=True,
                           timeout=timeout)

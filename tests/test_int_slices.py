@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_bitwise, assert_same_everywhere, both_paths, seven_bit_digits_gemm
+from conftest import assert_bitwise, assert_same_everywhere, both_paths, rerun_in_fresh_process, seven_bit_digits_gemm
 
 import gen
 from lightning_det.ops import det_gemm, det_gemm_partial, explain_gemm, gemm_path, last_gemm_plan, last_slices_plan
@@ -267,35 +267,41 @@ def test_cuda_row_loads_misaligned_and_long_rows(dt):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_residues_equal_cpu_and_kernel(monkeypatch):
-    for chunk_mib in ("256", "1"):  # one N-chunk, then chunks of 80 columns
-        monkeypatch.setenv("LIGHTNING_DET_SLICES_CHUNK_MIB", chunk_mib)
-        x, w = planted_residue_operands(M=600, N=100, K=2048)
-        b = gen.normal((100,), torch.float32, 36)
-        xc, wc, bc = x.cuda(), w.cuda(), b.cuda()
-        for od in OUT_DTYPES:
-            # plans "sync": the plan with its counts, whatever the default mode
-            ref, got = both_paths(lambda: det_gemm(xc, wc, bc, out_dtype=od, plans="sync"))
-            plan = last_slices_plan()
-            assert plan["residues_x"] >= 4 and plan["residues_w"] >= 4 and plan["slices_x"] == 3, plan
-            assert_bitwise(got.cpu(), ref.cpu(), f"cuda residues -> {od}, chunks {chunk_mib} MiB")
-            with gemm_path("slices"):
-                assert_bitwise(got.cpu(), det_gemm(x, w, b, out_dtype=od), f"cuda vs cpu residues -> {od}")
-        assert torch.all(det_gemm(xc, wc)[:4, :4].cpu() == 2 + 2 * TINY)
-        ref, got = both_paths(lambda: det_gemm_partial(xc, wc, bc))
-        assert torch.equal(got, ref), f"cuda residue digits, chunks {chunk_mib} MiB"
+@pytest.mark.parametrize("chunk_mib", ["256", "1"])  # one N-chunk, then two
+def test_cuda_residues_equal_cpu_and_kernel(request, chunk_mib):
+    if rerun_in_fresh_process(request, LIGHTNING_DET_SLICES_CHUNK_MIB=chunk_mib):
+        return
+    x, w = planted_residue_operands(M=600, N=100, K=2048)
+    b = gen.normal((100,), torch.float32, 36)
+    xc, wc, bc = x.cuda(), w.cuda(), b.cuda()
+    assert (explain_gemm(xc, wc, route="slices").fields["n_chunk"] < 100) == (chunk_mib == "1")
+    for od in OUT_DTYPES:
+        # plans "sync": the plan with its counts, whatever the default mode
+        ref, got = both_paths(lambda: det_gemm(xc, wc, bc, out_dtype=od, plans="sync"))
+        plan = last_slices_plan()
+        assert plan["residues_x"] >= 4 and plan["residues_w"] >= 4 and plan["slices_x"] == 3, plan
+        assert_bitwise(got.cpu(), ref.cpu(), f"cuda residues -> {od}, chunks {chunk_mib} MiB")
+        with gemm_path("slices"):
+            assert_bitwise(got.cpu(), det_gemm(x, w, b, out_dtype=od), f"cuda vs cpu residues -> {od}")
+    assert torch.all(det_gemm(xc, wc)[:4, :4].cpu() == 2 + 2 * TINY)
+    ref, got = both_paths(lambda: det_gemm_partial(xc, wc, bc))
+    assert torch.equal(got, ref), f"cuda residue digits, chunks {chunk_mib} MiB"
 
 
 @pytest.mark.parametrize("contiguous", ["0", "1"])
-def test_output_column_chunks_and_operand_copies(monkeypatch, contiguous):
-    # a 1 MiB cap on the int32 diagonals cuts N into chunks of 8 columns; the copies variant hands
-    # the int8 GEMM contiguous operands: neither may change a bit
-    monkeypatch.setenv("LIGHTNING_DET_SLICES_CHUNK_MIB", "1")
-    monkeypatch.setenv("LIGHTNING_DET_SLICES_CONTIGUOUS", contiguous)
-    x, w, b = gen.normal((600, 96), torch.float32, 15), gen.normal((45, 96), torch.bfloat16, 16), gen.normal((45,), torch.float32, 17)
+def test_output_column_chunks_and_operand_copies(request, contiguous):
+    # a 1 MiB cap on the int32 diagonals cuts N into chunks of 8 columns over 6000 rows; the
+    # copies variant hands the int8 GEMM contiguous operands: neither may change a bit (knobs
+    # read once per process: a fresh one)
+    if rerun_in_fresh_process(request, LIGHTNING_DET_SLICES_CHUNK_MIB="1", LIGHTNING_DET_SLICES_CONTIGUOUS=contiguous):
+        return
+    x, w, b = gen.normal((6000, 96), torch.float32, 15), gen.normal((45, 96), torch.bfloat16, 16), gen.normal((45,), torch.float32, 17)
+    det_gemm(x, w, b, route="slices")  # with its bias: w's rows in chunks (without, transposed)
+    assert last_gemm_plan().fields["n_chunk"] == 8 and not last_gemm_plan().fields["slices_transposed"]
     assert_same_everywhere(x, w, b, f"N chunks, contiguous={contiguous}")
-    # w's residue lists are cut with its rows: 3 + 3 slices, 600 rows -> chunks of 80 columns
+    # w's residue lists are cut with its rows: 3 + 3 slices, 600 rows -> chunks of 56 columns
     xp, wp = planted_residue_operands(M=600, N=100, K=256)
+    assert explain_gemm(xp, wp, route="slices").fields["n_chunk"] < 100
     assert_same_everywhere(xp, wp, None, f"N chunks with residues, contiguous={contiguous}")
     assert last_slices_plan()["residues_w"] >= 4
 

@@ -5,10 +5,10 @@ and past the 128-bit proof: the combine's long-accumulator pass), or stale (a ca
 calls on other data)."""
 import pytest
 import torch
-from conftest import assert_bitwise
+from conftest import assert_bitwise, rerun_in_fresh_process
 
 import gen
-from lightning_det.ops import det_gemm, det_gemm_partial, gemm_path, last_slices_plan
+from lightning_det.ops import det_gemm, det_gemm_partial, gemm_path, last_gemm_plan, last_slices_plan
 from lightning_det.reference import longacc_ref as R
 from test_int_slices import bias_below_the_unit_cases, planted_residue_operands
 
@@ -95,13 +95,17 @@ def test_guesses_with_residues_and_biases_below_the_unit(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_guesses_across_output_column_chunks(monkeypatch, device):
-    # a 1 MiB cap on the int32 diagonals cuts N into chunks: w's listed rows (output columns) sit
-    # in different chunks, and exact_rows writes them into the assembled result
-    monkeypatch.setenv("LIGHTNING_DET_SLICES_CHUNK_MIB", "1")
-    x, w = gen.normal((600, 96), torch.float32, 46), gen.normal((45, 96), torch.bfloat16, 47)
+def test_guesses_across_output_column_chunks(request, device):
+    # a 1 MiB cap on the int32 diagonals cuts N into chunks of 8 columns over 6000 rows: w's
+    # listed rows (output columns) sit in different chunks, and exact_rows writes them into the
+    # assembled result (the knob is read once per process: a fresh one)
+    if rerun_in_fresh_process(request, LIGHTNING_DET_SLICES_CHUNK_MIB="1"):
+        return
+    x, w = gen.normal((6000, 96), torch.float32, 46), gen.normal((45, 96), torch.bfloat16, 47)
     w[[3, 30, 44], 5] = 2.0**-40  # three rows that need more slices than the others
-    b = gen.normal((45,), torch.float32, 48)
+    b = gen.normal((45,), torch.float32, 48)  # with a bias the slices keep x's rows whole
+    det_gemm(x.to(device), w.to(device), b.to(device), route="slices")
+    assert last_gemm_plan().fields["n_chunk"] == 8 and not last_gemm_plan().fields["slices_transposed"]
     assert_every_guess_exact(x.to(device), w.to(device), b.to(device), f"{device} N chunks")
 
 
