@@ -2,8 +2,10 @@
 
 Build policy: JIT on first use, cached. The first op call compiles ``csrc/`` with
 ``torch.utils.cpp_extension.load`` (ninja) into a cache folder; later processes reuse the
-cached library unless a source or flag changed. The CPU kernels are always built; the CUDA
-kernels are added where torch has CUDA and ``nvcc`` is found.
+cached library unless a source or flag changed. Processes building one folder take turns under
+an OS file lock, which a killed build releases (torch's own lock file it would leave behind is
+removed then). The CPU kernels are always built; the CUDA kernels are added where torch has
+CUDA and ``nvcc`` is found.
 
 The library registers its ops under ``torch.ops.ldet``. If it cannot be built or loaded we
 raise :class:`ExtensionError` with the reason and the fix: there is no pure-Python fallback,
@@ -19,6 +21,7 @@ Environment:
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
@@ -89,6 +92,26 @@ def _cuda_arch_flags() -> list[str]:
     return sorted(set(flags))
 
 
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """One build of a folder at a time across processes, by an OS lock that a killed process
+    releases. torch's own lock is a file (`lock`) it deletes when done: a build killed midway
+    leaves it behind, and every later load of that folder then waits for it forever. Holding this
+    lock, any such file is a leftover, and it is removed."""
+    try:
+        import fcntl
+    except ImportError:  # no POSIX file locks: torch's lock alone
+        yield
+        return
+    with open(build_dir / "ldet-build.flock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def load() -> None:
     """Build (if needed) and load the compiled core. Safe to call many times."""
     global _loaded, _cuda_built
@@ -115,19 +138,20 @@ def load() -> None:
         verbose = os.environ.get("LIGHTNING_DET_VERBOSE_BUILD") == "1"
         build_dir = _build_dir(src, with_cuda)
         try:
-            cpp_extension.load(
-                name=name,
-                sources=_sources(src, with_cuda),
-                extra_include_paths=[str(src)],
-                extra_cflags=cflags,
-                extra_cuda_cflags=cuda_flags,
-                # cuBLASLt: the integer-slice GEMMs call it directly (csrc/cuda/int8_gemm_lt.cu)
-                extra_ldflags=["-fopenmp"] + (["-lcublasLt"] if with_cuda else []),
-                build_directory=str(build_dir),
-                is_python_module=False,
-                with_cuda=with_cuda,
-                verbose=verbose,
-            )
+            with _build_lock(build_dir):
+                cpp_extension.load(
+                    name=name,
+                    sources=_sources(src, with_cuda),
+                    extra_include_paths=[str(src)],
+                    extra_cflags=cflags,
+                    extra_cuda_cflags=cuda_flags,
+                    # cuBLASLt: the integer-slice GEMMs call it directly (csrc/cuda/int8_gemm_lt.cu)
+                    extra_ldflags=["-fopenmp"] + (["-lcublasLt"] if with_cuda else []),
+                    build_directory=str(build_dir),
+                    is_python_module=False,
+                    with_cuda=with_cuda,
+                    verbose=verbose,
+                )
         except Exception as exc:  # noqa: BLE001 - re-raised with the fix attached
             msg = str(exc).strip().splitlines()
             tail = "\n".join(msg[-25:])

@@ -1,4 +1,8 @@
 """Op registration (opcheck), argument checking, empty and non-contiguous inputs."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import assert_bitwise
@@ -107,3 +111,28 @@ def test_extension_error_is_clear(monkeypatch, tmp_path):
     monkeypatch.setenv("LIGHTNING_DET_NO_CUDA", "1")
     with pytest.raises(_build.ExtensionError, match="(?s)could not build or load .*What to do: install a C\\+\\+17 compiler"):
         _build.load()
+
+
+LEFTOVER_LOCK_LOAD = """
+import sys
+from pathlib import Path
+from lightning_det import _build
+src = Path(sys.argv[1])
+_build.csrc_dir = lambda: src
+_build._on_load_hooks.clear()  # the tiny library registers none of the ops
+(_build._build_dir(src, False) / "lock").touch()  # torch's lock file, left by a killed build
+_build.load()
+print("loaded")
+"""
+
+
+def test_a_killed_builds_leftover_lock_does_not_hang_the_next_load(tmp_path):
+    # torch's build lock is a file it deletes when done; a build killed midway left it behind and
+    # every later load of that folder waited for it forever. The load holds an OS lock (released
+    # by a killed process) and removes the leftover. A tiny source stands in for csrc/.
+    (tmp_path / "src" / "schema").mkdir(parents=True)
+    (tmp_path / "src" / "schema" / "tiny.cpp").write_text("int ldet_tiny() { return 1; }\n")
+    env = dict(os.environ, LIGHTNING_DET_BUILD_DIR=str(tmp_path / "build"), LIGHTNING_DET_NO_CUDA="1")
+    out = subprocess.run([sys.executable, "-c", LEFTOVER_LOCK_LOAD, str(tmp_path / "src")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "loaded", out.stderr[-3000:]

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from lightning_det._build import _build_lock
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -23,11 +25,12 @@ def _load(name: str, source: str) -> None:
     build = base / f"{name}-torch{torch.__version__.split('+')[0]}-{key}"
     build.mkdir(parents=True, exist_ok=True)
     # -ffp-contract=off as the core's build: every rounding is the one the source writes
-    cpp_extension.load(name=name, sources=[str(ROOT / "tests" / "csrc" / source)],
-                       extra_include_paths=[str(ROOT / "csrc"), str(ROOT / "tests" / "csrc")],
-                       extra_cflags=["-O1", "-std=c++17", "-ffp-contract=off", "-fno-fast-math",
-                                     "-Wno-unknown-pragmas"],
-                       build_directory=str(build), is_python_module=False, verbose=False)
+    with _build_lock(build):  # as the core's: a killed build's leftover lock never hangs the next
+        cpp_extension.load(name=name, sources=[str(ROOT / "tests" / "csrc" / source)],
+                           extra_include_paths=[str(ROOT / "csrc"), str(ROOT / "tests" / "csrc")],
+                           extra_cflags=["-O1", "-std=c++17", "-ffp-contract=off", "-fno-fast-math",
+                                         "-Wno-unknown-pragmas"],
+                           build_directory=str(build), is_python_module=False, verbose=False)
 
 
 def load_attention_emu():
