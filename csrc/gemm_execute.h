@@ -36,12 +36,12 @@ inline void probe_kernel_plan(GemmPlan* plan, const at::Tensor& x, const at::Ten
 }
 
 // The slices route, in the orientation slices_transposed_for picks (gemm_plan.h): transposed,
-// the call runs as C^T = w x^T and its result (digits too) is transposed back; *plan ends in the
+// the call runs as C^T = w x^T and its result is transposed back; *plan ends in the
 // call's own orientation. Undefined when the slices' own plan hands the call to another route.
 inline at::Tensor run_slices(GemmPlan* plan, const at::Tensor& x, const at::Tensor& w,
                              const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype, const SliceBackend& slices,
                              const LongAccGemm& kernel) {
-  if (!slices_transposed_for(plan->M, plan->N, bias.has_value(), slice_target(slices)))
+  if (!slices_transposed_for(plan->M, plan->N, bias.has_value(), plan->digits, slice_target(slices)))
     return gemm_int_slices(plan, x, w, bias, out_dtype, slices, kernel);
   transpose_plan(plan);
   at::Tensor out = gemm_int_slices(plan, w, x, bias, out_dtype, slices, kernel);
@@ -80,7 +80,7 @@ inline GemmPlan explain_gemm_plan(const at::Tensor& x, const at::Tensor& w, bool
   GemmPlan plan = plan_for(x, w, slices.device, digits, options, true);
   probe_kernel_plan(&plan, x, w, probe);
   if (plan.route != GemmRoute::kSlices) return plan;
-  const bool transposed = slices_transposed_for(plan.M, plan.N, false, slice_target(slices));
+  const bool transposed = slices_transposed_for(plan.M, plan.N, false, digits, slice_target(slices));
   if (transposed) transpose_plan(&plan);
   if (plan.options.plan_x > 0) {
     plan_slices_stage(&plan, nullptr, nullptr, plan.options.plan_x, plan.options.plan_w, slice_target(slices));

@@ -526,12 +526,14 @@ struct SliceTarget {
 // columns, and fewer than N, the int8 GEMMs run far below their rate: GPT-2's head wgrad
 // (50304 x 768 x 8192, bf16) took 37 ms in chunks of 136 columns and 7.6 ms transposed, in chunks
 // of 10072, on an H100. There the slices run C^T = w x^T when that widens the chunks, and the
-// result is transposed back: the same exact sums, the same bytes. Not with a bias, which joins
-// each output column's exact sum. The widths are compared at one plane (the chunk MiB's widest).
+// result is transposed back: the same exact sums, the same bytes. Rounded outputs without a bias
+// only: a bias joins each output column's exact sum, and a digits output's transposed copy would
+// hold 19 int64 per output at a training step's memory peak (5.9 GB for that wgrad). The widths
+// are compared at one plane (the chunk MiB's widest).
 constexpr int64_t kNarrowChunk = 256;
 
-inline bool slices_transposed_for(int64_t M, int64_t N, bool has_bias, const SliceTarget& t) {
-  if (has_bias || M <= N) return false;
+inline bool slices_transposed_for(int64_t M, int64_t N, bool has_bias, bool digits, const SliceTarget& t) {
+  if (has_bias || digits || M <= N) return false;
   const int64_t mib = gemm_env().slices_chunk_mib;
   const int64_t as_is = chunk_columns(N, std::max<int64_t>(M, 17), 1, mib, t.chunk_max_outputs).first;
   const int64_t swapped = chunk_columns(M, std::max<int64_t>(N, 17), 1, mib, t.chunk_max_outputs).first;

@@ -277,8 +277,8 @@ class GemmPlan:
     route cannot. For the slices: ``slices_x`` / ``slices_w`` (int8 digits per value),
     ``moduli`` (CRT moduli; 0: one GEMM per diagonal of slice pairs), ``way_reason`` and
     ``counts_reason``, ``residues_*``, ``kernel_rows_*`` (rows left to the kernel), K- and
-    N-chunks, and ``fields["slices_transposed"]`` (the call ran as C^T = w x^T, x's rows in
-    chunks: a tall x would leave w's chunks narrow). ``fields`` holds every field the planner
+    N-chunks, and ``fields["slices_transposed"]`` (a rounded call ran as C^T = w x^T, x's rows
+    in chunks: a tall x would leave w's chunks narrow). ``fields`` holds every field the planner
     printed.
     """
 
