@@ -393,45 +393,34 @@ def test_buffers_the_kernels_write_skip_the_deterministic_fill(fill, device):
         assert fills == 0, f"{fills} deterministic fills of buffers the kernels write in full"
 
 
-TRANSPOSED_CHECK = r"""
-import sys, torch
-sys.path.insert(0, "tests")
-import gen
-from lightning_det.ops import det_gemm, det_gemm_partial, explain_gemm, last_gemm_plan, last_slices_plan
-x, w = gen.normal((20000, 48), torch.float32, 64), gen.normal((64, 48), torch.float32, 65)
-x[7, :2] = torch.tensor([2.0**60, 2.0**-60])  # beyond every slice count: the kernel's fix-up row
-want = sys.argv[1] == "1"
-plan = explain_gemm(x, w, route="slices")
-assert plan.fields["slices_transposed"] == want and plan.fields["kernel_rows_x"] == 1, plan
-for dtype in (torch.float32, torch.bfloat16):
-    xd, wd = x.to(dtype), w.to(dtype)
-    y = det_gemm(xd, wd, route="slices")
-    assert last_gemm_plan().fields["slices_transposed"] == want and last_slices_plan()["kernel_rows_x"] == 1
-    assert torch.equal(y, det_gemm(xd, wd, route="kernel")), dtype
-    d = det_gemm_partial(xd, wd, route="slices")  # digits keep x's rows whole (no 19-word copy)
-    assert not last_gemm_plan().fields["slices_transposed"]
-    assert torch.equal(d, det_gemm_partial(xd, wd, route="kernel")), dtype
-    y = det_gemm(xd, wd, route="slices", plans=(2, 3))  # a guess too small for some rows: exact_rows
-    assert (last_slices_plan()["slices_x"], last_slices_plan()["slices_w"]) == (2, 3)
-    assert torch.equal(y, det_gemm(xd, wd, route="kernel")), dtype
-b = gen.normal((64,), torch.float32, 66)  # a bias joins each column's exact sum: never transposed
-y = det_gemm(x, w, b, route="slices")
-assert not last_gemm_plan().fields["slices_transposed"]
-assert torch.equal(y, det_gemm(x, w, b, route="kernel"))
-print("ok")
-"""
-
-
 @pytest.mark.parametrize("chunk_mib", ["1", "256"])
-def test_tall_x_runs_the_slices_transposed(chunk_mib):
+def test_tall_x_runs_the_slices_transposed(request, chunk_mib):
     # at 1 MiB of int32 planes, w's N-chunks over x's 20000 rows would be 8 columns wide: the
     # slices run C^T = w x^T in chunks of x's rows and transpose the rounded result back; the
     # kernel's bytes, planned and guessed (digits, as is). At 256 MiB (the control) w's 64 rows fit
-    # one chunk and nothing is transposed. The knob is read once per process: a subprocess each.
-    env = dict(os.environ, LIGHTNING_DET_SLICES_CHUNK_MIB=chunk_mib)
-    out = subprocess.run([sys.executable, "-c", TRANSPOSED_CHECK, "1" if chunk_mib == "1" else "0"], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    # one chunk and nothing is transposed. The knob is read once per process: a fresh one each.
+    if rerun_in_fresh_process(request, LIGHTNING_DET_SLICES_CHUNK_MIB=chunk_mib):
+        return
+    x, w = gen.normal((20000, 48), torch.float32, 64), gen.normal((64, 48), torch.float32, 65)
+    x[7, :2] = torch.tensor([2.0**60, 2.0**-60])  # beyond every slice count: the kernel's fix-up row
+    want = chunk_mib == "1"
+    plan = explain_gemm(x, w, route="slices")
+    assert plan.fields["slices_transposed"] == want and plan.fields["kernel_rows_x"] == 1, plan
+    for dtype in (torch.float32, torch.bfloat16):
+        xd, wd = x.to(dtype), w.to(dtype)
+        y = det_gemm(xd, wd, route="slices")
+        assert last_gemm_plan().fields["slices_transposed"] == want and last_slices_plan()["kernel_rows_x"] == 1
+        assert torch.equal(y, det_gemm(xd, wd, route="kernel")), dtype
+        d = det_gemm_partial(xd, wd, route="slices")  # digits keep x's rows whole (no 19-word copy)
+        assert not last_gemm_plan().fields["slices_transposed"]
+        assert torch.equal(d, det_gemm_partial(xd, wd, route="kernel")), dtype
+        y = det_gemm(xd, wd, route="slices", plans=(2, 3))  # a guess too small for some rows: exact_rows
+        assert (last_slices_plan()["slices_x"], last_slices_plan()["slices_w"]) == (2, 3)
+        assert torch.equal(y, det_gemm(xd, wd, route="kernel")), dtype
+    b = gen.normal((64,), torch.float32, 66)  # a bias joins each column's exact sum: never transposed
+    y = det_gemm(x, w, b, route="slices")
+    assert not last_gemm_plan().fields["slices_transposed"]
+    assert torch.equal(y, det_gemm(x, w, b, route="kernel"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
