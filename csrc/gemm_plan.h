@@ -152,16 +152,14 @@ constexpr double kNoFigure = std::numeric_limits<double>::infinity();  // not an
 
 // One shape class of one device and input class: M N K >= 2^from_log2_work (up to the next
 // row's). Costs: time relative to torch.mm fp32 on the same shape (1 / the benchmark's
-// ratio_vs_fp32_mm), or ranks where `measured` is false (an order from an earlier measurement
-// whose figures were not recorded). kNoFigure: never chosen by auto there (fp64 also needs
-// rounded outputs). Auto takes the least cost; a tie goes to the earlier route (kernel, slices,
-// fp64). The rows of one (device, inputs) are in increasing from_log2_work.
+// ratio_vs_fp32_mm in the results file that `source` names). kNoFigure: never chosen by auto
+// there (fp64 also needs rounded outputs). Auto takes the least cost; a tie goes to the earlier
+// route (kernel, slices, fp64). The rows of one (device, inputs) are in increasing from_log2_work.
 struct CostRow {
   GemmDevice device;
   InputClass inputs;
   int from_log2_work;
   double kernel, slices, fp64;
-  bool measured;
   const char* source;
 };
 
@@ -179,28 +177,28 @@ inline constexpr const char* kCpuAvx512Source = "slices: cpu-gemm.json 512^3; ke
 // clang-format off
 inline constexpr CostRow kCostTable[] = {
   // CPU, 2 threads.
-  {GemmDevice::kCpu, InputClass::kFp32, 0, 14.1, 8.7, 4.3, true, kCpuRoutesSource},
-  {GemmDevice::kCpu, InputClass::kFp32, 18, 21.0, 133, 5.4, true, kCpuRoutesSource},
-  {GemmDevice::kCpu, InputClass::kFp32, 27, 20.5, 192, 2.84, true, kCpuRoutesSource},
-  {GemmDevice::kCpu, InputClass::k16Bit, 0, 5.4, 7.4, 5.7, true, kCpuRoutesSource},
-  {GemmDevice::kCpu, InputClass::k16Bit, 18, 4.85, 73.5, 10.7, true, kCpuRoutesSource},
-  {GemmDevice::kCpu, InputClass::k16Bit, 27, 3.7, 159, 6.6, true, kCpuRoutesSource},
-  {GemmDevice::kCpuAvx512, InputClass::kFp32, 0, 14.1, kNoFigure, 4.3, true, kCpuAvx512Source},
-  {GemmDevice::kCpuAvx512, InputClass::kFp32, 18, 21.0, kNoFigure, 5.4, true, kCpuAvx512Source},
-  {GemmDevice::kCpuAvx512, InputClass::kFp32, 27, 25.6, 3.05, 2.84, true, kCpuAvx512Source},
-  {GemmDevice::kCpuAvx512, InputClass::k16Bit, 0, 1.0, 1.0, kNoFigure, true, "bf16 128^3 ms: a tie"},
-  {GemmDevice::kCpuAvx512, InputClass::k16Bit, 21, 3.94, 2.04, kNoFigure, true, "cpu-gemm.json bf16 512^3"},
-  // CUDA, one H200 (cuBLASLt int8 and fp64).
-  {GemmDevice::kCuda, InputClass::kFp32, 0, 1, 2, kNoFigure, false, "kernel below 64^3 (fixed costs of the slices)"},
-  {GemmDevice::kCuda, InputClass::kFp32, 18, 23.3, 12.0, 5.00, true, "h200-gemm_small.json fp32 64^3 normal"},
-  {GemmDevice::kCuda, InputClass::kFp32, 24, 21.7, 10.4, 5.52, true, "h200-gemm_small.json fp32 256^3 normal"},
-  {GemmDevice::kCuda, InputClass::kFp32, 30, 24.4, 4.98, 2.15, true, "h200-gemm_small.json fp32 1024^3 normal"},
-  {GemmDevice::kCuda, InputClass::kFp32, 36, 7.41, 1.54, 1.28, true, "h200-gemm.json fp32 4096^3 normal"},
-  {GemmDevice::kCuda, InputClass::k16Bit, 0, 1.74, 7.62, 4.44, true, "h200-gemm_small.json bf16 64^3 normal"},
-  {GemmDevice::kCuda, InputClass::k16Bit, 24, 2.99, 9.84, 4.01, true, "h200-gemm_small.json bf16 256^3 normal"},
-  {GemmDevice::kCuda, InputClass::k16Bit, 30, 4.54, 4.30, 2.48, true, "h200-gemm_small.json bf16 1024^3 normal"},
-  {GemmDevice::kCuda, InputClass::k16Bit, 32, 4.07, 1.87, 2.22, true, "h100-gemm_routes.json bf16 8192x768x768"},
-  {GemmDevice::kCuda, InputClass::k16Bit, 34, 1.75, 0.77, 1.57, true, "h200-gemm.json bf16 4096^3 normal"},
+  {GemmDevice::kCpu, InputClass::kFp32, 0, 14.1, 8.7, 4.3, kCpuRoutesSource},
+  {GemmDevice::kCpu, InputClass::kFp32, 18, 21.0, 133, 5.4, kCpuRoutesSource},
+  {GemmDevice::kCpu, InputClass::kFp32, 27, 20.5, 192, 2.84, kCpuRoutesSource},
+  {GemmDevice::kCpu, InputClass::k16Bit, 0, 5.4, 7.4, 5.7, kCpuRoutesSource},
+  {GemmDevice::kCpu, InputClass::k16Bit, 18, 4.85, 73.5, 10.7, kCpuRoutesSource},
+  {GemmDevice::kCpu, InputClass::k16Bit, 27, 3.7, 159, 6.6, kCpuRoutesSource},
+  {GemmDevice::kCpuAvx512, InputClass::kFp32, 0, 14.1, kNoFigure, 4.3, kCpuAvx512Source},
+  {GemmDevice::kCpuAvx512, InputClass::kFp32, 18, 21.0, kNoFigure, 5.4, kCpuAvx512Source},
+  {GemmDevice::kCpuAvx512, InputClass::kFp32, 27, 25.6, 3.05, 2.84, kCpuAvx512Source},
+  {GemmDevice::kCpuAvx512, InputClass::k16Bit, 0, 1.0, 1.0, kNoFigure, "bf16 128^3 ms: a tie"},
+  {GemmDevice::kCpuAvx512, InputClass::k16Bit, 21, 3.94, 2.04, kNoFigure, "cpu-gemm.json bf16 512^3"},
+  // CUDA, one H200 or H100 (cuBLASLt int8 and fp64).
+  {GemmDevice::kCuda, InputClass::kFp32, 0, 10.9, 6.7, 3.15, "h100-gemm_routes.json fp32 16^3, 32^3 normal"},
+  {GemmDevice::kCuda, InputClass::kFp32, 18, 23.3, 12.0, 5.00, "h200-gemm_small.json fp32 64^3 normal"},
+  {GemmDevice::kCuda, InputClass::kFp32, 24, 21.7, 10.4, 5.52, "h200-gemm_small.json fp32 256^3 normal"},
+  {GemmDevice::kCuda, InputClass::kFp32, 30, 24.4, 4.98, 2.15, "h200-gemm_small.json fp32 1024^3 normal"},
+  {GemmDevice::kCuda, InputClass::kFp32, 36, 7.41, 1.54, 1.28, "h200-gemm.json fp32 4096^3 normal"},
+  {GemmDevice::kCuda, InputClass::k16Bit, 0, 1.74, 7.62, 4.44, "h200-gemm_small.json bf16 64^3 normal"},
+  {GemmDevice::kCuda, InputClass::k16Bit, 24, 2.99, 9.84, 4.01, "h200-gemm_small.json bf16 256^3 normal"},
+  {GemmDevice::kCuda, InputClass::k16Bit, 30, 4.54, 4.30, 2.48, "h200-gemm_small.json bf16 1024^3 normal"},
+  {GemmDevice::kCuda, InputClass::k16Bit, 32, 4.07, 1.87, 2.22, "h100-gemm_routes.json bf16 8192x768x768"},
+  {GemmDevice::kCuda, InputClass::k16Bit, 34, 1.75, 0.77, 1.57, "h200-gemm.json bf16 4096^3 normal"},
 };
 // clang-format on
 

@@ -229,12 +229,28 @@ def test_cpu_fp32_rounded_takes_the_fp64_route(n):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n", [16, 32, 64])
+def test_cuda_fp32_rounded_takes_the_fp64_route(n):
+    # the CUDA cost table (h100-gemm_routes.json below 64^3, h200-gemm_small.json from it): the
+    # fp64 route ahead of the kernel and the slices for rounded fp32 outputs at every size;
+    # digits outputs go to the least cost of the others; the CPU's bytes and the forced kernel's
+    x, w = gen.normal((n, n), seed=21), gen.normal((n, n), seed=22)
+    plan, y = run_and_compare(x.cuda(), w.cuda())
+    assert plan.route == "fp64", plan
+    assert torch.equal(y.cpu(), det_gemm(x, w))
+    assert_bitwise(y, det_gemm(x.cuda(), w.cuda(), route="kernel"), f"{n}^3")
+    digits, acc = run_and_compare(x.cuda(), w.cuda(), output="digits")
+    assert digits.route == least_cost_route(digits, True), digits
+    assert torch.equal(acc.cpu(), det_gemm_partial(x, w))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype,shape", [(torch.float32, (96, 80, 256)), (torch.bfloat16, (2048, 2048, 1024))])
 def test_cuda_wide_data_leaves_the_slices_for_the_fp64_route(dtype, shape):
-    # CUDA: where the cost table chose the slices (fp32 digits from 64^3, 16-bit from M N K =
+    # CUDA: where the cost table chose the slices (fp32 digits at every size, 16-bit from M N K =
     # 2^32) and most rows are beyond them, rounded outputs go to the fp64 route (not the kernel,
     # which is slow on such data), and digits outputs to the kernel; the CPU's bytes either way.
-    # fp32 rounded outputs take the fp64 route from 64^3 by the table alone.
+    # fp32 rounded outputs take the fp64 route by the table alone.
     M, N, K = shape
     x, w = wide((M, K), seed=27, dtype=dtype), wide((N, K), seed=28, dtype=dtype)
     plan, y = run_and_compare(x.cuda(), w.cuda())

@@ -687,7 +687,7 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& w_in, cons
 // slow (x strip, w strip) pairs are counted from the two histograms: O((M + N) K) work against
 // the GEMM's O(M N K). 16-bit operands of one dtype alone: the kernel splits fp32 operands first
 // (csrc/split.h, a synchronization and 4x their size), which the probe would have to repeat, and
-// the planner sends fp32 to the kernel only below 64^3.
+// the planner sends fp32 to the kernel only where a call forces it.
 constexpr int kSpreadBins = LDET_FAST_SPREAD + 3;  // spreads 0 .. window, beyond it, inf / NaN
 
 // The bin of one 32-row strip of a K-block's statistics (rows from r0), -1 when all zero.
