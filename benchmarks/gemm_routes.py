@@ -13,6 +13,8 @@ Operands: torch.randn, seeds 1 and 2: square n x n times n x n (--sizes), or M x
 (--shapes MxNxK,...; "gpt2": the GEMMs of a GPT-2-small step at 8192 tokens, forward, dgrad and
 wgrad of d_model 768 against 2304, 3072 and 768). Rounded outputs (det_gemm) and, with the
 wgrad shapes' --digits, canonical digits (det_gemm_partial, routes auto, kernel, slices).
+Rounded outputs are fp32, or with --out-dtype inputs the operands' dtype (bf16 inputs to bf16
+outputs, as a bf16 training step's forward and dgrad round them); each row records out_dtype.
 auto_route is the route explain_gemm names. Every route returns the same bytes;
 routes_same_bytes checks it on these operands.
 """
@@ -44,7 +46,8 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def bench(M: int, N: int, K: int, dtype: torch.dtype, device: str, rounds: int, digits: bool = False) -> dict:
+def bench(M: int, N: int, K: int, dtype: torch.dtype, device: str, rounds: int, digits: bool = False,
+          out_dtype: torch.dtype = torch.float32) -> dict:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(M, K, generator=g).to(device=device, dtype=dtype)
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(2)).to(device=device, dtype=dtype)
@@ -54,7 +57,7 @@ def bench(M: int, N: int, K: int, dtype: torch.dtype, device: str, rounds: int, 
     if digits:
         fns.update({r: (lambda r=r: det_gemm_partial(x, w, route=r)) for r in routes})
     else:
-        fns.update({r: (lambda r=r: det_gemm(x, w, route=r)) for r in routes})
+        fns.update({r: (lambda r=r: det_gemm(x, w, out_dtype=out_dtype, route=r)) for r in routes})
     outs = {name: fn() for name, fn in fns.items()}  # warm-up, and the bytes
     same = all(torch.equal(outs[r], outs["auto"]) for r in routes)
     del outs
@@ -68,7 +71,8 @@ def bench(M: int, N: int, K: int, dtype: torch.dtype, device: str, rounds: int, 
             times[name].append(time.perf_counter() - t)
     med = {name: statistics.median(v) for name, v in times.items()}
     row = {"op": "det_gemm_partial" if digits else "det_gemm", "dtype": str(dtype).replace("torch.", ""),
-           "data": "normal", "M": M, "N": N, "K": K, "rounds": rounds, "torch_mm_fp32_s": med["torch.mm"],
+           "data": "normal", "M": M, "N": N, "K": K,
+           "out_dtype": None if digits else str(out_dtype).replace("torch.", ""), "rounds": rounds, "torch_mm_fp32_s": med["torch.mm"],
            "torch_mm_dtype_s": med["torch.mm dtype"],
            "auto_route": explain_gemm(x, w, output="digits" if digits else "rounded").route,
            "routes_same_bytes": same}
@@ -84,6 +88,8 @@ def main() -> None:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--shapes", default="", help='MxNxK,... (M x K times K x N), or "gpt2"')
+    p.add_argument("--out-dtype", default="float32", choices=("float32", "inputs"),
+                   help="rounded outputs in fp32, or in the operands' dtype")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     cases = [(n, n, n, False) for n in (int(v) for v in a.sizes.split(",") if v)]
@@ -94,7 +100,9 @@ def main() -> None:
     rows = []
     for m, n, k, digits in cases:
         for dt in a.dtypes.split(","):
-            row = bench(m, n, k, getattr(torch, dt), a.device, a.rounds, digits)
+            dtype = getattr(torch, dt)
+            row = bench(m, n, k, dtype, a.device, a.rounds, digits,
+                        torch.float32 if a.out_dtype == "float32" else dtype)
             rows.append(row)
             routes = DIGIT_ROUTES if digits else ROUTES
             ratios = "  ".join(f"{r} {row[f'{r}_ratio_vs_fp32_mm']:.3f}/{row[f'{r}_ratio_vs_dtype_mm']:.3f}"
