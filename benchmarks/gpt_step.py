@@ -33,6 +33,11 @@ time - 1).
 --tie-head ties the head's weight to the token embedding's (Hugging Face GPT-2's tying: that
 weight then has two contributions a step, the head's dW and the embedding's rows) in every run;
 it writes <device>-gpt_step_tied.json by default. A shape beside the binding one, never instead.
+
+--gemm-route R runs the det runs' training inside lightning_det.ops.gemm_path(R): every exact GEMM
+of the step on route R where it can take it (fp64: the rounded outputs, the forward and dgrad;
+the wgrad's digits stay auto's), to compare a route with auto's choices on the whole step. Each
+row records its gemm_route. The binding run is auto's; write another route's rows with --out.
 """
 from __future__ import annotations
 
@@ -181,8 +186,11 @@ def run(name, det, precision, optimizer, shape, ds, vocab, args, restore_plain, 
     module = Module(margs, vocab)
     if tie_head:
         module.model.head.weight = module.model.tok.weight
+    from lightning_det.ops import gemm_path
+
     t0 = time.perf_counter()
-    trainer.fit(module, loader)
+    with gemm_path(args.gemm_route if det else "auto"):  # det_linear's backward keeps the forward's route
+        trainer.fit(module, loader)
     wall = time.perf_counter() - t0
     steps = shape["steps"]
     if len(times) != steps:
@@ -192,7 +200,8 @@ def run(name, det, precision, optimizer, shape, ds, vocab, args, restore_plain, 
     row = {"run": name, "det_ddp": det, "precision": precision,
            "optimizer": {"adamw_fused": "torch.optim.AdamW(fused=True)", "adamwsr": "lightning_det AdamWSR",
                          "adamw": "torch.optim.AdamW"}[optimizer],
-           "digests": digest_dir is not None, "step_ms": round(step_s * 1e3, 3),
+           "digests": digest_dir is not None, "gemm_route": args.gemm_route if det else None,
+           "step_ms": round(step_s * 1e3, 3),
            "step_ms_window": [round(w * 1e3, 3) for w in window],
            "tokens_per_s": round(mb * shape["seq_len"] / step_s, 1),
            "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
@@ -219,6 +228,8 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--runs", default=",".join(r[0] for r in RUNS), help="comma list, a subset of the runs")
     p.add_argument("--tie-head", action="store_true", help="the head's weight is the token embedding's (as GPT-2's)")
+    p.add_argument("--gemm-route", default="auto", choices=["auto", "kernel", "slices", "fp64"],
+                   help="the det runs' exact GEMMs on this route (gemm_path); default auto, the binding run's")
     p.add_argument("--out", default=None, help="results path (default benchmarks/results/<device>-gpt_step.json, "
                    "<device>-gpt_step_tied.json with --tie-head)")
     args = p.parse_args(argv)
