@@ -19,6 +19,7 @@ from lightning_det.ops import (
     last_fp64_counts,
     last_gemm_plan,
     last_slices_plan,
+    plan_gemm,
 )
 from lightning_det.reference import longacc_ref as R
 
@@ -226,6 +227,65 @@ def test_cpu_fp32_rounded_takes_the_fp64_route(n):
     digits = explain_gemm(x, w, output="digits")
     assert digits.route == least_cost_route(digits, True), digits
     assert_bitwise(y, det_gemm(x, w, route="kernel"), f"{n}^3")
+
+
+@pytest.mark.parametrize("n", [8, 16, 32, 64, 256, 1024, 4096, 16384])
+def test_cuda_fp32_plans_by_shape_on_any_machine(n):
+    # plan_gemm is the planner's first stage as a pure function: on this machine it tells what a
+    # GPU chooses. The CUDA cost table: rounded fp32 outputs take the fp64 route at every size;
+    # digits outputs (no fp64 route) the slices, the least cost of the other two
+    plan = plan_gemm(n, n, n, device="cuda")
+    assert (plan.route, plan.device, plan.output) == ("fp64", "cuda", "rounded"), plan
+    assert plan.fields["cost_fp64"] < min(plan.fields["cost_kernel"], plan.fields["cost_slices"]), plan
+    digits = plan_gemm(n, n, n, device="cuda", output="digits")
+    assert digits.route == "slices" == least_cost_route(digits, True), digits
+
+
+def test_shape_plan_matches_the_operands_plan_where_the_data_changes_nothing():
+    # explain_gemm runs the same first stage on real operands (then the data's stages, which
+    # normal data leaves alone): both name the same route, costs and source, for each output,
+    # dtype, route and a shape of each cost row of this machine's device class
+    device = explain_gemm(gen.normal((4, 4), seed=1), gen.normal((4, 4), seed=2)).device
+    for (m, n, k) in [(4, 4, 4), (64, 48, 96), (160, 128, 192), (520, 512, 512)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            x, w = gen.normal((m, k), seed=m, dtype=dtype), gen.normal((n, k), seed=n + 1, dtype=dtype)
+            for output in ("rounded", "digits"):
+                for route in (None, "kernel", "fp64"):
+                    ops_plan = explain_gemm(x, w, output=output, route=route)
+                    shape_plan = plan_gemm(m, n, k, dtype, device=device, output=output, route=route)
+                    if ops_plan.route == "slices":  # the slices' counts come from the data
+                        assert shape_plan.route == "slices", (shape_plan, ops_plan)
+                        continue
+                    for key in ("route", "route_reason", "fallback", "cost_kernel", "cost_slices", "cost_fp64",
+                                "cost_source", "fp64_n_chunk"):
+                        assert shape_plan.fields[key] == ops_plan.fields[key], (key, m, dtype, output, route)
+
+
+def test_shape_plan_mixed_dtypes_and_the_route_scope():
+    # an fp32 operand makes the call fp32 (the kernel splits it); a gemm_path block reaches the
+    # pure planner as it reaches det_gemm
+    mixed = plan_gemm(64, 64, 64, torch.bfloat16, w_dtype=torch.float32, device="cuda")
+    assert mixed.inputs == "fp32" and mixed.route == "fp64", mixed
+    assert plan_gemm(64, 64, 64, torch.bfloat16, device="cuda").inputs == "16-bit"
+    with gemm_path("kernel"):
+        assert plan_gemm(64, 64, 64, device="cuda").route == "kernel"
+    assert plan_gemm(64, 64, 64, device="cuda", route="slices").route == "slices"
+    assert plan_gemm(0, 64, 64, device="cuda").route_reason == "empty: no products"
+
+
+def test_shape_plan_bad_arguments_fail_clearly():
+    with pytest.raises(ValueError, match="device: expected one of"):
+        plan_gemm(4, 4, 4, device="tpu")
+    with pytest.raises(ValueError, match="M, N, K: expected integers >= 0"):
+        plan_gemm(4, -1, 4)
+    with pytest.raises(ValueError, match="M, N, K: expected integers >= 0"):
+        plan_gemm(4.5, 4, 4)
+    with pytest.raises(TypeError, match="w_dtype: expected torch.float32"):
+        plan_gemm(4, 4, 4, w_dtype=torch.int8)
+    with pytest.raises(ValueError, match="output: expected"):
+        plan_gemm(4, 4, 4, output="fp32")
+    with pytest.raises(ValueError, match="route: expected one of"):
+        plan_gemm(4, 4, 4, route="fast")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

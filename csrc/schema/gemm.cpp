@@ -49,6 +49,27 @@ std::vector<int64_t> last_slices_plan_op() {
 }
 
 std::string last_gemm_plan_op() { return plan_json(last_gemm_plan()); }
+
+// Stage 1 of the planner alone (gemm_plan.h, plan_gemm), for any device class on any machine: the
+// route a call of this shape, these dtypes and this output kind starts on, from the cost table.
+std::string plan_gemm_shape_op(int64_t M, int64_t N, int64_t K, at::ScalarType x_dtype, at::ScalarType w_dtype,
+                               c10::string_view device, bool digits, at::IntArrayRef options) {
+  TORCH_CHECK_VALUE(M >= 0 && N >= 0 && K >= 0, "plan_gemm: M, N and K must be >= 0, got ", M, ", ", N, ", ", K);
+  for (const at::ScalarType t : {x_dtype, w_dtype})
+    TORCH_CHECK_TYPE(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf,
+                     "plan_gemm: dtypes must be float32, bfloat16 or float16, got ", t);
+  GemmDevice d;
+  if (device == "cpu") {
+    d = GemmDevice::kCpu;
+  } else if (device == "cpu-avx512") {
+    d = GemmDevice::kCpuAvx512;
+  } else if (device == "cuda") {
+    d = GemmDevice::kCuda;
+  } else {
+    TORCH_CHECK_VALUE(false, "device: expected 'cpu', 'cpu-avx512' or 'cuda', got '", std::string(device), "'");
+  }
+  return plan_json(plan_gemm(M, N, K, x_dtype == at::kFloat, w_dtype == at::kFloat, d, digits, checked_options(options)));
+}
 }  // namespace
 }  // namespace ldet
 
@@ -76,6 +97,11 @@ TORCH_LIBRARY_FRAGMENT(ldet, m) {
   // would run, as JSON (csrc/gemm_plan.h, plan_json); runs the planner only (and, for the
   // slices, both operands' row summaries).
   m.def("explain_gemm(Tensor x, Tensor w, bool digits=False, int[] options=[-1, -1, 0]) -> str");
+  // Stage 1 of the planner for a shape, dtypes and device class ('cpu', 'cpu-avx512', 'cuda'),
+  // without operands: the cost table's route (the data-dependent stages need explain_gemm).
+  m.def("plan_gemm_shape(int M, int N, int K, ScalarType x_dtype, ScalarType w_dtype, str device, bool digits=False, "
+        "int[] options=[-1, -1, 0]) -> str",
+        &ldet::plan_gemm_shape_op);
   // This thread's last gemm / gemm_partial's plan as executed, as JSON (an empty plan before any).
   m.def("last_gemm_plan() -> str", &ldet::last_gemm_plan_op);
   // The last slices GEMM of this thread: [Sx, Sw, x residues, w residues, x rows and w rows left

@@ -23,6 +23,7 @@ from .longacc import (
     last_fp64_counts,
     last_gemm_plan,
     last_slices_plan,
+    plan_gemm,
     scatter_sum_digits,
     to_digits,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "last_fp64_counts",
     "last_gemm_plan",
     "last_slices_plan",
+    "plan_gemm",
     "scatter_sum_digits",
     "to_digits",
 ]

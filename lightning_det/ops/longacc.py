@@ -336,6 +336,44 @@ def explain_gemm(
     return _plan_from_json(_ops().explain_gemm(x2, w, output == "digits", _plans_arg(plans, route)))
 
 
+_PLAN_DEVICES = ("cpu", "cpu-avx512", "cuda")
+
+
+def plan_gemm(M: int, N: int, K: int, dtype: torch.dtype = torch.float32, *, w_dtype: Optional[torch.dtype] = None,
+              device: str = "cpu", output: str = "rounded", route: Optional[str] = None) -> GemmPlan:
+    """The route a det_gemm (``output="rounded"``) or det_gemm_partial (``output="digits"``) of
+    x (M, K) by w (N, K) starts on, from the shape, the dtypes, the device class and the route
+    alone: the planner's first stage (csrc/gemm_plan.h, ``plan_gemm``), a pure function of its
+    arguments, so any machine can ask what a GPU would choose.
+
+    The cost table decides it (``cost_*``, ``cost_source``). What depends on the data is not
+    planned here: a wide exponent spread may send the kernel's or the slices' calls to the fp64
+    route, and the slices' counts come from the operands (:func:`explain_gemm` runs those
+    stages on real operands; :func:`last_gemm_plan` shows what ran).
+
+    Args:
+        M, N, K: the GEMM's sizes (>= 0).
+        dtype: x's dtype (float32, bfloat16 or float16); ``w_dtype``: w's (default: x's).
+        device: the device class, ``"cpu"`` (without the AVX-512 slice forms), ``"cpu-avx512"`` or
+            ``"cuda"``.
+        output: ``"rounded"`` or ``"digits"``.
+        route: as :func:`det_gemm`'s (None: the enclosing :func:`gemm_path` block's, else auto).
+    """
+    sizes = [as_index(v) for v in (M, N, K)]
+    if any(v is None or v < 0 for v in sizes):
+        raise ValueError(f"M, N, K: expected integers >= 0, got {(M, N, K)!r}")
+    w_dtype = dtype if w_dtype is None else w_dtype
+    for name, t in (("dtype", dtype), ("w_dtype", w_dtype)):
+        if t not in _FLOATS:
+            raise TypeError(f"{name}: expected torch.float32, torch.bfloat16 or torch.float16, got {t!r}")
+    if device not in _PLAN_DEVICES:
+        raise ValueError(f"device: expected one of {list(_PLAN_DEVICES)}, got {device!r}")
+    if output not in ("rounded", "digits"):
+        raise ValueError(f"output: expected 'rounded' or 'digits', got {output!r}")
+    return _plan_from_json(_ops().plan_gemm_shape(*sizes, dtype, w_dtype, device, output == "digits",
+                                                  _plans_arg("default", route)))
+
+
 def last_gemm_plan() -> GemmPlan:
     """The plan this thread's last det_gemm / det_gemm_partial ran, as executed (the slices'
     counts included); the same fields as :func:`explain_gemm`'s. For tests and benchmarks."""
