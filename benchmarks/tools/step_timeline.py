@@ -72,12 +72,12 @@ def run_profiled(width: int, batch: int, guess: str):
     return cb.done.events()
 
 
-def run_profiled_gpt(layers: int):
+def run_profiled_gpt(layers: int, gemm_route: str = "auto"):
     import gpt_step
 
     shape = {**gpt_step.GPT2_SMALL, "steps": PROFILED[1] + 1, "n_layers": layers}
     ids, _ = gpt_step.stdlib_tokens(shape["max_chars"], shape["vocab"])
-    args = argparse.Namespace(device="cuda", seed=0, lr=3e-4)
+    args = argparse.Namespace(device="cuda", seed=0, lr=3e-4, gemm_route=gemm_route)
     cb = _profiler_callback()
     gpt_step.run("det-bf16", True, "bf16-true", "adamwsr", shape, gpt_step.Windows(ids, shape["seq_len"]),
                  shape["vocab"], args, gpt_step.plain_settings(), extra_callbacks=[cb])
@@ -154,6 +154,8 @@ def main(argv=None):
     p.add_argument("--slices-guess", default="default", choices=["default", "sync", "cached"])
     p.add_argument("--model", default="mlp", choices=["mlp", "gpt"])
     p.add_argument("--gpt-layers", type=int, default=12, help="with --model gpt: layers (12: GPT-2-small)")
+    p.add_argument("--gemm-route", default="auto", choices=["auto", "kernel", "slices", "fp64"],
+                   help="with --model gpt: the exact GEMMs' route (gpt_step.py --gemm-route)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -162,7 +164,7 @@ def main(argv=None):
 
     if a.model == "gpt":
         res = {**header("cuda"), "model": f"gpt_step det-bf16, {a.gpt_layers} layers",
-               **analyse(run_profiled_gpt(a.gpt_layers))}
+               **analyse(run_profiled_gpt(a.gpt_layers, a.gemm_route))}
     else:
         res = {**header("cuda"), "width": a.width, "batch": a.batch, "slices_guess": a.slices_guess,
                **analyse(run_profiled(a.width, a.batch, a.slices_guess))}
