@@ -17,10 +17,11 @@ namespace ldet {
 GemmPlan& last_gemm_plan();
 
 // Stage 1 of the planner for one call's operands (gemm_plan.h, plan_gemm).
+// out_dtype: the rounded outputs' dtype (digits: ignored).
 inline GemmPlan plan_for(const at::Tensor& x, const at::Tensor& w, GemmDevice device, bool digits,
-                         const GemmOptions& options, bool allow_fast) {
+                         at::ScalarType out_dtype, const GemmOptions& options, bool allow_fast) {
   return plan_gemm(x.size(0), w.size(0), x.size(1), x.scalar_type() == at::kFloat, w.scalar_type() == at::kFloat,
-                   device, digits, options, allow_fast);
+                   device, digits, out_dtype != at::kFloat, options, allow_fast);
 }
 
 // The probe of auto's kernel choice (gemm_plan.h, plan_kernel_stage): the share of the kernel's
@@ -75,9 +76,9 @@ inline at::Tensor execute_gemm(GemmPlan* plan, const at::Tensor& x, const at::Te
 // fixed guess. The guess cache and
 // CUDA's probe cache are neither read nor changed: with cached guesses a call may take larger
 // counts than this shows, and on CUDA the route of its shape's last probe (never different bytes).
-inline GemmPlan explain_gemm_plan(const at::Tensor& x, const at::Tensor& w, bool digits, const GemmOptions& options,
-                                  const SliceBackend& slices, const KernelProbe& probe) {
-  GemmPlan plan = plan_for(x, w, slices.device, digits, options, true);
+inline GemmPlan explain_gemm_plan(const at::Tensor& x, const at::Tensor& w, bool digits, at::ScalarType out_dtype,
+                                  const GemmOptions& options, const SliceBackend& slices, const KernelProbe& probe) {
+  GemmPlan plan = plan_for(x, w, slices.device, digits, out_dtype, options, true);
   probe_kernel_plan(&plan, x, w, probe);
   if (plan.route != GemmRoute::kSlices) return plan;
   const bool transposed = slices_transposed_for(plan.M, plan.N, false, digits, slice_target(slices));

@@ -202,6 +202,25 @@ inline constexpr CostRow kCostTable[] = {
 };
 // clang-format on
 
+// CUDA calls with 16-bit inputs whose rounded outputs are 16-bit too (a bf16 step's forward and
+// dgrad), K <= max_k, M N K >= 2^from_log2_work: these rows come before kCostTable's. The fp64
+// route's undecided outputs are far fewer at a bf16/fp16 rounding than at an fp32 one, and its
+// cost does not grow with K the way the slices' fixed costs shrink: with bf16 outputs it beat the
+// slices on every GPT-2-small forward and dgrad shape (K 768-3072: 0.78-1.01x `torch.mm` fp32
+// against 0.64-0.99x) and on 1024^3-2048^3, and lost from K = 4096 (4096^3: 1.06 against 1.32;
+// K 8192 and 32768: 1.00-1.01 against 1.18-1.30), h100-gemm_routes.json --out-dtype inputs.
+struct Round16Row {
+  GemmDevice device;
+  int from_log2_work;
+  int64_t max_k;
+  double kernel, slices, fp64;
+  const char* source;
+};
+
+inline constexpr Round16Row kRound16Table[] = {
+  {GemmDevice::kCuda, 30, 3072, 8.0, 1.57, 1.29, "h100-gemm_routes.json bf16 8192x768x768, bf16 outputs"},
+};
+
 // The slices' own cost figures per device, in int8 multiply-adds of the slice GEMMs:
 // term_macs, one residue term of the combine (the slice counts weigh a slice fewer against the
 // residues it leaves); crt_output_macs, one output's CRT reconstruction per modulus beyond the
@@ -236,6 +255,14 @@ inline const CostRow* cost_row(GemmDevice d, InputClass in, double work) {
   const CostRow* best = nullptr;
   for (const CostRow& r : kCostTable)
     if (r.device == d && r.inputs == in && work >= std::ldexp(1.0, r.from_log2_work)) best = &r;
+  return best;
+}
+
+// The kRound16Table row of a device for M N K = work and this K, or null.
+inline const Round16Row* round16_row(GemmDevice d, double work, int64_t K) {
+  const Round16Row* best = nullptr;
+  for (const Round16Row& r : kRound16Table)
+    if (r.device == d && K <= r.max_k && work >= std::ldexp(1.0, r.from_log2_work)) best = &r;
   return best;
 }
 
@@ -284,6 +311,7 @@ struct GemmPlan {
   int64_t M = 0, N = 0, K = 0;
   InputClass inputs = InputClass::kFp32;
   bool digits = false;  // canonical digits out (gemm_partial), else rounded
+  bool out16 = false;   // rounded to bf16 / fp16 (else to fp32, or digits)
   GemmDevice device = GemmDevice::kCpu;
   GemmOptions options;
   // The route and why.
@@ -348,19 +376,25 @@ inline void plan_kernel_stage(GemmPlan* p, double slow_share) {
 // Stage 1: the route from the call's shape, dtypes, device, output kind and options.
 // allow_fast: false for the tests' normalization-interval calls (the kernel's own headroom path).
 inline GemmPlan plan_gemm(int64_t M, int64_t N, int64_t K, bool x_fp32, bool w_fp32, GemmDevice device, bool digits,
-                          const GemmOptions& opt, bool allow_fast = true) {
+                          bool out16, const GemmOptions& opt, bool allow_fast = true) {
   GemmPlan p;
   p.M = M;
   p.N = N;
   p.K = K;
   p.inputs = (x_fp32 || w_fp32) ? InputClass::kFp32 : InputClass::k16Bit;
   p.digits = digits;
+  p.out16 = out16 && !digits;
   p.device = device;
   p.options = opt;
   p.tiles = kernel_tiles(device);
   p.fp32_split = p.inputs == InputClass::kFp32;
   const double work = double(M) * double(N) * double(K);
-  if (const CostRow* r = cost_row(device, p.inputs, work)) {
+  if (const Round16Row* r = p.out16 && p.inputs == InputClass::k16Bit ? round16_row(device, work, K) : nullptr) {
+    p.cost_kernel = r->kernel;
+    p.cost_slices = r->slices;
+    p.cost_fp64 = r->fp64;
+    p.cost_source = r->source;
+  } else if (const CostRow* r = cost_row(device, p.inputs, work)) {
     p.cost_kernel = r->kernel;
     p.cost_slices = r->slices;
     p.cost_fp64 = r->fp64;
@@ -399,7 +433,8 @@ inline GemmPlan plan_gemm(int64_t M, int64_t N, int64_t K, bool x_fp32, bool w_f
     if (fp64_ok && p.cost_fp64 < best) want = GemmRoute::kFp64;
     p.route_reason = std::string("auto: least cost for ") + device_name(device) + ", " +
                      (p.inputs == InputClass::kFp32 ? "fp32" : "16-bit") + " inputs, M N K = 2^" +
-                     std::to_string(std::ilogb(work)) + (digits ? ", digits" : ", rounded") + " (" + p.cost_source + ")";
+                     std::to_string(std::ilogb(work)) + (digits ? ", digits" : p.out16 ? ", rounded to 16 bits" : ", rounded") + " (" +
+                     p.cost_source + ")";
   }
   p.route = want;
   if (want == GemmRoute::kSlices) {
@@ -643,6 +678,7 @@ inline std::string plan_json(const GemmPlan& p) {
   str("device", device_name(p.device));
   str("inputs", p.inputs == InputClass::kFp32 ? "fp32" : "16-bit");
   str("output", p.digits ? "digits" : "rounded");
+  flag("out16", p.out16);
   integer("M", p.M);
   integer("N", p.N);
   integer("K", p.K);

@@ -241,6 +241,30 @@ def test_cuda_fp32_plans_by_shape_on_any_machine(n):
     assert digits.route == "slices" == least_cost_route(digits, True), digits
 
 
+@pytest.mark.parametrize("M,N,K,route", [
+    # GPT-2-small at 8192 tokens, rounded to bf16: forward and dgrad (K <= 3072) on the fp64
+    # route, the wgrads (K = 8192 tokens) and the head's dgrad (K = 32768) on the slices
+    (8192, 2304, 768, "fp64"), (8192, 768, 768, "fp64"), (8192, 3072, 768, "fp64"), (8192, 768, 3072, "fp64"),
+    (8192, 768, 2304, "fp64"), (8192, 32768, 768, "fp64"), (2048, 2048, 2048, "fp64"), (1024, 1024, 1024, "fp64"),
+    (4096, 4096, 4096, "slices"), (2304, 768, 8192, "slices"), (8192, 768, 32768, "slices"),
+])
+def test_cuda_16bit_rounded_to_16_bits_plans_by_k(M, N, K, route):
+    # the CUDA rows for 16-bit inputs rounded to 16 bits (kRound16Table, h100-gemm_routes.json
+    # --out-dtype inputs); rounded to fp32 the same shapes keep kCostTable's slices from 2^32
+    for dtype in (torch.bfloat16, torch.float16):
+        plan = plan_gemm(M, N, K, dtype, device="cuda", out_dtype=dtype)
+        assert plan.route == route and plan.fields["out16"], plan
+        assert "rounded to 16 bits" in plan.route_reason, plan
+        assert ("bf16 outputs" in plan.fields["cost_source"]) == (K <= 3072), plan
+    to_fp32 = plan_gemm(M, N, K, torch.bfloat16, device="cuda")
+    assert not to_fp32.fields["out16"] and "bf16 outputs" not in to_fp32.fields["cost_source"], to_fp32
+    if M * N * K >= 2**32:
+        assert to_fp32.route == "slices", to_fp32
+    for device in ("cpu", "cpu-avx512"):  # the CPU has no such rows
+        cpu = plan_gemm(M, N, K, torch.bfloat16, device=device, out_dtype=torch.bfloat16)
+        assert cpu.route == plan_gemm(M, N, K, torch.bfloat16, device=device).route, cpu
+
+
 def test_shape_plan_matches_the_operands_plan_where_the_data_changes_nothing():
     # explain_gemm runs the same first stage on real operands (then the data's stages, which
     # normal data leaves alone): both name the same route, costs and source, for each output,
@@ -249,15 +273,16 @@ def test_shape_plan_matches_the_operands_plan_where_the_data_changes_nothing():
     for (m, n, k) in [(4, 4, 4), (64, 48, 96), (160, 128, 192), (520, 512, 512)]:
         for dtype in (torch.float32, torch.bfloat16):
             x, w = gen.normal((m, k), seed=m, dtype=dtype), gen.normal((n, k), seed=n + 1, dtype=dtype)
-            for output in ("rounded", "digits"):
+            for output, out_dtype in (("rounded", None), ("rounded", dtype), ("digits", None)):
                 for route in (None, "kernel", "fp64"):
-                    ops_plan = explain_gemm(x, w, output=output, route=route)
-                    shape_plan = plan_gemm(m, n, k, dtype, device=device, output=output, route=route)
+                    ops_plan = explain_gemm(x, w, output=output, route=route, out_dtype=out_dtype)
+                    shape_plan = plan_gemm(m, n, k, dtype, device=device, output=output, route=route,
+                                           out_dtype=out_dtype)
                     if ops_plan.route == "slices":  # the slices' counts come from the data
                         assert shape_plan.route == "slices", (shape_plan, ops_plan)
                         continue
                     for key in ("route", "route_reason", "fallback", "cost_kernel", "cost_slices", "cost_fp64",
-                                "cost_source", "fp64_n_chunk"):
+                                "cost_source", "fp64_n_chunk", "out16"):
                         assert shape_plan.fields[key] == ops_plan.fields[key], (key, m, dtype, output, route)
 
 
@@ -284,6 +309,12 @@ def test_shape_plan_bad_arguments_fail_clearly():
         plan_gemm(4, 4, 4, w_dtype=torch.int8)
     with pytest.raises(ValueError, match="output: expected"):
         plan_gemm(4, 4, 4, output="fp32")
+    with pytest.raises(TypeError, match="out_dtype: expected None, torch.float32"):
+        plan_gemm(4, 4, 4, out_dtype=torch.float64)
+    with pytest.raises(ValueError, match="out_dtype: digits outputs are not rounded"):
+        plan_gemm(4, 4, 4, output="digits", out_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out_dtype: digits outputs are not rounded"):
+        explain_gemm(torch.ones(4, 4), torch.ones(4, 4), output="digits", out_dtype=torch.float32)
     with pytest.raises(ValueError, match="route: expected one of"):
         plan_gemm(4, 4, 4, route="fast")
 
@@ -368,6 +399,22 @@ def test_cuda_probe_follows_a_shape_whose_data_turns_wide():
     assert routes[0] == "kernel", routes
     assert routes[-1] == "fp64" and routes.index("fp64") <= 18, routes
     assert explain_gemm(xw.cuda(), ww.cuda()).route == "fp64"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_16bit_rounded_to_16_bits_takes_the_fp64_route(dtype):
+    # M N K = 2^32.6, K = 768: rounded to the inputs' dtype the fp64 route (kRound16Table), to
+    # fp32 the slices; the same bytes as the forced slices and as the CPU
+    x, w = gen.normal((4096, 768), seed=23).to(dtype), gen.normal((2048, 768), seed=24).to(dtype)
+    xc, wc = x.cuda(), w.cuda()
+    plan, y = run_and_compare(xc, wc, out_dtype=dtype)
+    assert plan.route == "fp64" and plan.fields["out16"], plan
+    assert y.dtype == dtype
+    assert_bitwise(y, det_gemm(xc, wc, out_dtype=dtype, route="slices"), "fp64 route vs slices")
+    assert torch.equal(y.cpu(), det_gemm(x, w, out_dtype=dtype))
+    to_fp32, _ = run_and_compare(xc, wc)
+    assert to_fp32.route == "slices" and not to_fp32.fields["out16"], to_fp32
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -400,7 +400,7 @@ at::Tensor gemm_common_cpu(const at::Tensor& x, const at::Tensor& w, const c10::
   const GemmOptions opt = checked_options(options);
   if (kFinalize) out_format(out_dtype);  // a bad dtype fails here, before any route runs
   const SliceBackend& slices = slice_backend_cpu();
-  GemmPlan plan = plan_for(x, w, slices.device, !kFinalize, opt, norm_interval == 0);
+  GemmPlan plan = plan_for(x, w, slices.device, !kFinalize, out_dtype, opt, norm_interval == 0);
   const LongAccGemm kernel = [&](const at::Tensor& xs, const at::Tensor& ws, const c10::optional<at::Tensor>& bs) {
     return gemm_kernel_cpu<kFinalize>(xs, ws, bs, norm_interval, out_dtype);
   };
@@ -431,9 +431,11 @@ at::Tensor gemm_batched_cpu(const at::Tensor& x, const at::Tensor& w, c10::optio
 }
 
 // The plan a gemm (digits false) / gemm_partial (true) call would run, as JSON (explain_gemm).
-std::string explain_gemm_cpu(const at::Tensor& x, const at::Tensor& w, bool digits, at::IntArrayRef options) {
+std::string explain_gemm_cpu(const at::Tensor& x, const at::Tensor& w, bool digits, at::IntArrayRef options,
+                             c10::optional<at::ScalarType> out_dtype) {
   check_gemm_args(x, w, c10::nullopt);
-  return plan_json(explain_gemm_plan(x, w, digits, checked_options(options), slice_backend_cpu(), kernel_slow_share_cpu));
+  return plan_json(explain_gemm_plan(x, w, digits, out_dtype.value_or(at::kFloat), checked_options(options),
+                                     slice_backend_cpu(), kernel_slow_share_cpu));
 }
 
 }  // namespace

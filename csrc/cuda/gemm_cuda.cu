@@ -843,7 +843,7 @@ at::Tensor gemm_common_cuda(const at::Tensor& x, const at::Tensor& w, const c10:
   if (kFinalize) out_format(out_dtype);  // a bad dtype fails here, before any route runs
   c10::cuda::CUDAGuard guard(x.device());
   const SliceBackend& slices = slice_backend_cuda();
-  GemmPlan plan = plan_for(x, w, slices.device, !kFinalize, opt, norm_interval == 0);
+  GemmPlan plan = plan_for(x, w, slices.device, !kFinalize, out_dtype, opt, norm_interval == 0);
   const LongAccGemm kernel = [&](const at::Tensor& xs, const at::Tensor& ws, const c10::optional<at::Tensor>& bs) {
     return gemm_kernel_cuda<kFinalize>(xs, ws, bs, norm_interval, out_dtype);
   };
@@ -884,11 +884,13 @@ at::Tensor gemm_batched_cuda(const at::Tensor& x, const at::Tensor& w, c10::opti
 }
 
 // The plan a gemm (digits false) / gemm_partial (true) call would run, as JSON (explain_gemm).
-std::string explain_gemm_cuda(const at::Tensor& x, const at::Tensor& w, bool digits, at::IntArrayRef options) {
+std::string explain_gemm_cuda(const at::Tensor& x, const at::Tensor& w, bool digits, at::IntArrayRef options,
+                             c10::optional<at::ScalarType> out_dtype) {
   check_gemm_args(x, w, c10::nullopt);
   check_gemm_devices(x, w, c10::nullopt);
   c10::cuda::CUDAGuard guard(x.device());
-  return plan_json(explain_gemm_plan(x, w, digits, checked_options(options), slice_backend_cuda(), kernel_slow_share_now));
+  return plan_json(explain_gemm_plan(x, w, digits, out_dtype.value_or(at::kFloat), checked_options(options),
+                                     slice_backend_cuda(), kernel_slow_share_now));
 }
 
 }  // namespace

@@ -53,7 +53,8 @@ std::string last_gemm_plan_op() { return plan_json(last_gemm_plan()); }
 // Stage 1 of the planner alone (gemm_plan.h, plan_gemm), for any device class on any machine: the
 // route a call of this shape, these dtypes and this output kind starts on, from the cost table.
 std::string plan_gemm_shape_op(int64_t M, int64_t N, int64_t K, at::ScalarType x_dtype, at::ScalarType w_dtype,
-                               c10::string_view device, bool digits, at::IntArrayRef options) {
+                               c10::string_view device, bool digits, at::IntArrayRef options,
+                               c10::optional<at::ScalarType> out_dtype) {
   TORCH_CHECK_VALUE(M >= 0 && N >= 0 && K >= 0, "plan_gemm: M, N and K must be >= 0, got ", M, ", ", N, ", ", K);
   for (const at::ScalarType t : {x_dtype, w_dtype})
     TORCH_CHECK_TYPE(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf,
@@ -68,7 +69,11 @@ std::string plan_gemm_shape_op(int64_t M, int64_t N, int64_t K, at::ScalarType x
   } else {
     TORCH_CHECK_VALUE(false, "device: expected 'cpu', 'cpu-avx512' or 'cuda', got '", std::string(device), "'");
   }
-  return plan_json(plan_gemm(M, N, K, x_dtype == at::kFloat, w_dtype == at::kFloat, d, digits, checked_options(options)));
+  const at::ScalarType out = out_dtype.value_or(at::kFloat);
+  TORCH_CHECK_TYPE(out == at::kFloat || out == at::kBFloat16 || out == at::kHalf,
+                   "plan_gemm: out_dtype must be float32, bfloat16 or float16, got ", out);
+  return plan_json(plan_gemm(M, N, K, x_dtype == at::kFloat, w_dtype == at::kFloat, d, digits, out != at::kFloat,
+                             checked_options(options)));
 }
 }  // namespace
 }  // namespace ldet
@@ -96,11 +101,12 @@ TORCH_LIBRARY_FRAGMENT(ldet, m) {
   // The plan a gemm (digits false) or gemm_partial (true) call with these operands and options
   // would run, as JSON (csrc/gemm_plan.h, plan_json); runs the planner only (and, for the
   // slices, both operands' row summaries).
-  m.def("explain_gemm(Tensor x, Tensor w, bool digits=False, int[] options=[-1, -1, 0]) -> str");
+  // out_dtype: the rounded outputs' (default float32).
+  m.def("explain_gemm(Tensor x, Tensor w, bool digits=False, int[] options=[-1, -1, 0], ScalarType? out_dtype=None) -> str");
   // Stage 1 of the planner for a shape, dtypes and device class ('cpu', 'cpu-avx512', 'cuda'),
   // without operands: the cost table's route (the data-dependent stages need explain_gemm).
   m.def("plan_gemm_shape(int M, int N, int K, ScalarType x_dtype, ScalarType w_dtype, str device, bool digits=False, "
-        "int[] options=[-1, -1, 0]) -> str",
+        "int[] options=[-1, -1, 0], ScalarType? out_dtype=None) -> str",
         &ldet::plan_gemm_shape_op);
   // This thread's last gemm / gemm_partial's plan as executed, as JSON (an empty plan before any).
   m.def("last_gemm_plan() -> str", &ldet::last_gemm_plan_op);

@@ -316,6 +316,7 @@ def explain_gemm(
     output: str = "rounded",
     plans="default",
     route: Optional[str] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> GemmPlan:
     """The plan :func:`det_gemm` (``output="rounded"``) or :func:`det_gemm_partial`
     (``output="digits"``) would run for these operands without a bias, with the reason for every
@@ -329,18 +330,29 @@ def explain_gemm(
         x: (..., K), w: (N, K), as :func:`det_gemm`'s.
         output: ``"rounded"`` or ``"digits"``.
         plans, route: as :func:`det_gemm`'s.
+        out_dtype: the rounded outputs' dtype, as :func:`det_gemm`'s (None: float32); the route
+            may depend on it (``fields["out16"]``).
     """
     x2, _ = _gemm_args(x, w, None)
+    _check_output(output, out_dtype)
+    return _plan_from_json(_ops().explain_gemm(x2, w, output == "digits", _plans_arg(plans, route), out_dtype))
+
+
+def _check_output(output: str, out_dtype) -> None:
     if output not in ("rounded", "digits"):
         raise ValueError(f"output: expected 'rounded' or 'digits', got {output!r}")
-    return _plan_from_json(_ops().explain_gemm(x2, w, output == "digits", _plans_arg(plans, route)))
+    if out_dtype is not None and out_dtype not in _FLOATS:
+        raise TypeError(f"out_dtype: expected None, torch.float32, torch.bfloat16 or torch.float16, got {out_dtype!r}")
+    if output == "digits" and out_dtype is not None:
+        raise ValueError(f"out_dtype: digits outputs are not rounded, expected None, got {out_dtype}")
 
 
 _PLAN_DEVICES = ("cpu", "cpu-avx512", "cuda")
 
 
 def plan_gemm(M: int, N: int, K: int, dtype: torch.dtype = torch.float32, *, w_dtype: Optional[torch.dtype] = None,
-              device: str = "cpu", output: str = "rounded", route: Optional[str] = None) -> GemmPlan:
+              device: str = "cpu", output: str = "rounded", route: Optional[str] = None,
+              out_dtype: Optional[torch.dtype] = None) -> GemmPlan:
     """The route a det_gemm (``output="rounded"``) or det_gemm_partial (``output="digits"``) of
     x (M, K) by w (N, K) starts on, from the shape, the dtypes, the device class and the route
     alone: the planner's first stage (csrc/gemm_plan.h, ``plan_gemm``), a pure function of its
@@ -356,7 +368,8 @@ def plan_gemm(M: int, N: int, K: int, dtype: torch.dtype = torch.float32, *, w_d
         dtype: x's dtype (float32, bfloat16 or float16); ``w_dtype``: w's (default: x's).
         device: the device class, ``"cpu"`` (without the AVX-512 slice forms), ``"cpu-avx512"`` or
             ``"cuda"``.
-        output: ``"rounded"`` or ``"digits"``.
+        output: ``"rounded"`` or ``"digits"``; ``out_dtype``: the rounded outputs' dtype (None:
+            float32): on CUDA, 16-bit inputs rounded to 16 bits take their own cost rows.
         route: as :func:`det_gemm`'s (None: the enclosing :func:`gemm_path` block's, else auto).
     """
     sizes = [as_index(v) for v in (M, N, K)]
@@ -368,10 +381,9 @@ def plan_gemm(M: int, N: int, K: int, dtype: torch.dtype = torch.float32, *, w_d
             raise TypeError(f"{name}: expected torch.float32, torch.bfloat16 or torch.float16, got {t!r}")
     if device not in _PLAN_DEVICES:
         raise ValueError(f"device: expected one of {list(_PLAN_DEVICES)}, got {device!r}")
-    if output not in ("rounded", "digits"):
-        raise ValueError(f"output: expected 'rounded' or 'digits', got {output!r}")
+    _check_output(output, out_dtype)
     return _plan_from_json(_ops().plan_gemm_shape(*sizes, dtype, w_dtype, device, output == "digits",
-                                                  _plans_arg("default", route)))
+                                                  _plans_arg("default", route), out_dtype))
 
 
 def last_gemm_plan() -> GemmPlan:
