@@ -13,6 +13,9 @@ what the GPU was waiting for. Nested ops are all counted (an aten::zeros and the
 inside it), so the list ranks causes; it does not add up to the idle time. Profiler overhead
 inflates host time: compare the busy time with ddp_step.py's unprofiled step time. Also the
 device time and launches per kernel name per step (25 largest), to see which kernels a change moved.
+Between steps (from a step's end, its GPU work included, to the next step's start): each
+interval, and the host ops in it by name (the batch, Lightning's and the strategy's hooks, the
+callbacks; the profiling callback's own synchronization is among them).
 """
 from __future__ import annotations
 
@@ -107,7 +110,7 @@ def analyse(events) -> dict:
     work = sorted((e.time_range.start, e.time_range.end) for e in events
                   if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in cpu_names
                   and not e.name.startswith(("Optimizer.", "ProfilerStep")))
-    steps, gaps = [], []
+    steps, gaps, ends = [], [], []
     for t0, t1 in sorted((e.time_range.start, e.time_range.end) for e in cpu if e.name.startswith("Optimizer.step")):
         # work queued in the step runs to its end: once the host runs ahead of the GPU, the
         # kernels of the step's last ops end after Optimizer.step has returned, and a window
@@ -129,6 +132,12 @@ def analyse(events) -> dict:
             step_gaps.append((cur_e, t1))
         steps.append({"window_us": round(t1 - t0), "gpu_busy_us": round(busy)})
         gaps += step_gaps
+        ends.append((t0, max(t1, cur_e)))
+    # from one step's end (its GPU work included) to the next step's start: the loop's own work
+    # (the batch, Lightning's and the strategy's hooks, the callbacks), outside every window above
+    between = [(a[1], b[0]) for a, b in zip(ends, ends[1:]) if b[0] > a[1]]
+    outside = host_time_in_gaps(((e.name, e.time_range.start, e.time_range.end) for e in cpu
+                                 if not e.name.startswith(("ProfilerStep", "Optimizer.step"))), between)
     big = sorted(g for g in gaps if g[1] - g[0] > MIN_GAP_US)
     named = [e for e in cpu if not e.name.startswith(("ProfilerStep", "Optimizer.step", "enumerate("))]
     host = host_time_in_gaps(((e.name, e.time_range.start, e.time_range.end) for e in named), big)
@@ -144,7 +153,10 @@ def analyse(events) -> dict:
             "steps": steps,
             "gpu_busy_us_per_step": sum(s["gpu_busy_us"] for s in steps) / n,
             "gaps_over_20us_per_step": len(big) / n, "idle_in_those_gaps_us_per_step": sum(b - a for a, b in big) / n,
-            "host_ops_during_those_gaps_us_per_step": [(k, round(v / n)) for k, v in host.most_common(40)]}
+            "host_ops_during_those_gaps_us_per_step": [(k, round(v / n)) for k, v in host.most_common(40)],
+            "between_steps_us": [round(b - a) for a, b in between],
+            "host_ops_between_steps_us_per_interval": [(k, round(v / max(1, len(between))))
+                                                       for k, v in outside.most_common(30)]}
 
 
 def main(argv=None):
