@@ -431,10 +431,10 @@ inline GemmPlan plan_gemm(int64_t M, int64_t N, int64_t K, bool x_fp32, bool w_f
       best = p.cost_slices;
     }
     if (fp64_ok && p.cost_fp64 < best) want = GemmRoute::kFp64;
+    const char* output = digits ? ", digits" : p.out16 ? ", rounded to 16 bits" : ", rounded";
     p.route_reason = std::string("auto: least cost for ") + device_name(device) + ", " +
                      (p.inputs == InputClass::kFp32 ? "fp32" : "16-bit") + " inputs, M N K = 2^" +
-                     std::to_string(std::ilogb(work)) + (digits ? ", digits" : p.out16 ? ", rounded to 16 bits" : ", rounded") + " (" +
-                     p.cost_source + ")";
+                     std::to_string(std::ilogb(work)) + output + " (" + p.cost_source + ")";
   }
   p.route = want;
   if (want == GemmRoute::kSlices) {

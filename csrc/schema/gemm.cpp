@@ -102,7 +102,8 @@ TORCH_LIBRARY_FRAGMENT(ldet, m) {
   // would run, as JSON (csrc/gemm_plan.h, plan_json); runs the planner only (and, for the
   // slices, both operands' row summaries).
   // out_dtype: the rounded outputs' (default float32).
-  m.def("explain_gemm(Tensor x, Tensor w, bool digits=False, int[] options=[-1, -1, 0], ScalarType? out_dtype=None) -> str");
+  m.def("explain_gemm(Tensor x, Tensor w, bool digits=False, int[] options=[-1, -1, 0], "
+        "ScalarType? out_dtype=None) -> str");
   // Stage 1 of the planner for a shape, dtypes and device class ('cpu', 'cpu-avx512', 'cuda'),
   // without operands: the cost table's route (the data-dependent stages need explain_gemm).
   m.def("plan_gemm_shape(int M, int N, int K, ScalarType x_dtype, ScalarType w_dtype, str device, bool digits=False, "
